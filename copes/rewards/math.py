@@ -1,0 +1,243 @@
+"""Math answer correctness with math-verify, isolated in a small pool of worker processes.
+
+math-verify bounds its own work with `signal.alarm`, which only works in a process's main thread, and some
+inputs still run long (huge powers and factorials, deep nesting). So every check runs in a persistent worker
+process (its main thread, where the alarms work) and the caller waits with an outer timeout: a check that
+times out scores False and its worker is killed and replaced. This makes `math_correct` safe to call from any
+thread of the trainer and bounded in time whatever the model writes.
+
+Parsing: gold and prediction are final answers as strings (`extract_answer` output). Each is wrapped in
+`\\boxed{...}` before `math_verify.parse`, because math-verify only reads bare LaTeX such as `\\frac{\\pi}{6}`
+or `p - q` inside a box or math delimiters; a prediction that is free text (extraction fell back to the whole
+output) is also parsed as it is, so math-verify can find the answer in the prose. The gold is parsed first and
+passed first: `verify(gold, prediction)` is asymmetric.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import select
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Sequence
+
+DEFAULT_TIMEOUT_S = 10.0
+# math-verify's own alarms (whole seconds) end most slow checks gracefully, well before the outer timeout,
+# so the worker survives; the outer timeout is the backstop for what the alarms cannot interrupt.
+_INNER_TIMEOUT_S = 3
+# The first check waits for the worker to import sympy and math-verify (about a second, more on a busy host).
+_STARTUP_TIMEOUT_S = 120.0
+# A hostile answer like 10^{10^{10}} can try to allocate gigabytes before any timeout fires; capping the
+# worker's address space turns that into a MemoryError inside math-verify (scored False) instead.
+_WORKER_MEMORY_LIMIT_BYTES = 4 << 30
+_READY = "ready"
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker side: runs in the child process.
+
+
+def _parse_answer(text: str, *, free_text: bool) -> list:
+    from math_verify import parse
+
+    parsed = parse(f"\\boxed{{{text}}}", parsing_timeout=_INNER_TIMEOUT_S)
+    if free_text:
+        parsed = parsed + parse(text, parsing_timeout=_INNER_TIMEOUT_S)
+    return parsed
+
+
+def _check(prediction: str, gold: str) -> bool:
+    from math_verify import verify
+
+    gold_parsed = _parse_answer(gold, free_text=False)
+    prediction_parsed = _parse_answer(prediction, free_text=True)
+    if not gold_parsed or not prediction_parsed:
+        return False
+    return bool(verify(gold_parsed, prediction_parsed, timeout_seconds=_INNER_TIMEOUT_S))
+
+
+def _serve() -> None:
+    """Worker loop: one JSON `[prediction, gold]` per stdin line, one "1"/"0" per stdout line."""
+    import logging
+
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEMORY_LIMIT_BYTES, _WORKER_MEMORY_LIMIT_BYTES))
+    except (ImportError, ValueError, OSError):
+        pass  # no POSIX rlimits here: the outer timeout still bounds the time
+    import math_verify  # noqa: F401  (import before announcing readiness, so checks are not timed on it)
+
+    # math-verify logs every inner timeout as a warning; the False result already says it.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    print(_READY, flush=True)
+    for line in sys.stdin:
+        prediction, gold = json.loads(line)
+        try:
+            correct = _check(prediction, gold)
+        except (Exception, MemoryError):  # a malformed answer must score False, never kill the worker loop
+            correct = False
+        print("1" if correct else "0", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parent side.
+
+
+class _WorkerTimeout(Exception):
+    pass
+
+
+class _Worker:
+    """One worker process and a line reader on its stdout that honours a deadline."""
+
+    def __init__(self) -> None:
+        environment = dict(os.environ)
+        # The worker imports this module by name: make the package importable even when it is not installed.
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), environment.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from copes.rewards.math import _serve; _serve()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=environment,
+        )
+        self._buffer = b""
+        self._ready = False
+
+    def _read_line(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _WorkerTimeout
+            readable, _, _ = select.select([self.process.stdout], [], [], remaining)
+            if readable:
+                chunk = os.read(self.process.stdout.fileno(), 65536)
+                if not chunk:
+                    raise EOFError(f"math-verify worker exited with code {self.process.wait()}")
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    def check(self, prediction: str, gold: str, timeout_s: float) -> bool:
+        if not self._ready:
+            try:
+                announced = self._read_line(_STARTUP_TIMEOUT_S)
+            except (_WorkerTimeout, EOFError) as error:
+                raise RuntimeError(f"the math-verify worker did not start (see its stderr above): {error!r}") from error
+            if announced != _READY:
+                raise RuntimeError(f"the math-verify worker sent {announced!r} instead of {_READY!r}")
+            self._ready = True
+        self.process.stdin.write((json.dumps([prediction, gold]) + "\n").encode())
+        self.process.stdin.flush()
+        return self._read_line(timeout_s) == "1"
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            stream.close()
+
+
+class MathVerifierPool:
+    """`num_workers` persistent math-verify processes; checks from any thread, each bounded by `timeout_s`."""
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._all: set[_Worker] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        for _ in range(num_workers):
+            self._add_worker()  # started now so that their imports overlap with the caller's own work
+
+    def _add_worker(self) -> None:
+        worker = _Worker()
+        with self._lock:
+            self._all.add(worker)
+        self._idle.put(worker)
+
+    def _retire(self, worker: _Worker) -> None:
+        with self._lock:
+            self._all.discard(worker)
+        worker.close()
+
+    def correct(self, prediction: str, gold: str, *, timeout_s: float | None = None) -> bool:
+        """math-verify's verdict on `prediction` against `gold`; False on timeout or parse failure."""
+        if self._closed:
+            raise RuntimeError("this MathVerifierPool is closed")
+        if not prediction.strip() or not gold.strip():
+            return False
+        if prediction.strip() == gold.strip():
+            return True
+        worker = self._idle.get()
+        try:
+            result = worker.check(prediction, gold, self.timeout_s if timeout_s is None else timeout_s)
+        except (_WorkerTimeout, EOFError, BrokenPipeError):
+            # Hung or crashed on this input: the verdict is False, and a fresh worker takes this one's place.
+            self._retire(worker)
+            self._add_worker()
+            return False
+        except BaseException:
+            self._retire(worker)
+            self._add_worker()
+            raise
+        self._idle.put(worker)
+        return result
+
+    def correct_batch(
+        self, predictions: Sequence[str], golds: Sequence[str], *, timeout_s: float | None = None
+    ) -> list[bool]:
+        """`correct` for each (prediction, gold) pair, spread over all workers; results in input order."""
+        if len(predictions) != len(golds):
+            raise ValueError(f"predictions and golds differ in length: {len(predictions)} != {len(golds)}")
+        with ThreadPoolExecutor(max_workers=self.num_workers) as executor:
+            return list(executor.map(lambda pair: self.correct(*pair, timeout_s=timeout_s), zip(predictions, golds)))
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            workers, self._all = list(self._all), set()
+        for worker in workers:
+            worker.close()
+
+
+_default_pool: MathVerifierPool | None = None
+_default_pool_lock = threading.Lock()
+
+
+def default_pool() -> MathVerifierPool:
+    """The process-wide pool behind `math_correct`, started on first use (COPES_MATH_WORKERS sets its size)."""
+    global _default_pool
+    with _default_pool_lock:
+        if _default_pool is None:
+            num_workers = int(os.environ.get("COPES_MATH_WORKERS", min(4, os.cpu_count() or 1)))
+            _default_pool = MathVerifierPool(num_workers=num_workers)
+            atexit.register(_default_pool.close)
+        return _default_pool
+
+
+def math_correct(prediction: str, gold: str, *, timeout_s: float | None = None) -> bool:
+    """Whether the final answer `prediction` equals `gold` mathematically (math-verify, gold parsed first)."""
+    return default_pool().correct(prediction, gold, timeout_s=timeout_s)
+
+
+def math_correct_batch(
+    predictions: Sequence[str], golds: Sequence[str], *, timeout_s: float | None = None
+) -> list[bool]:
+    """`math_correct` over pairs, checked in parallel on the pool's workers."""
+    return default_pool().correct_batch(predictions, golds, timeout_s=timeout_s)

@@ -1,0 +1,83 @@
+"""QA answer scores: exact match, token F1 and accuracy, each the max over the accepted gold answers.
+
+Two normalisations:
+
+- "official": the SQuAD / HotpotQA evaluation script. Lowercase, drop ASCII punctuation, drop the articles
+  a/an/the, collapse whitespace.
+- "paper": punctuation is kept (so "3.5" and "35" stay different); Unicode NFKC, casefold, diacritics
+  removed ("Zürich" == "zurich"), articles dropped, whitespace collapsed.
+
+F1 keeps the HotpotQA rule in both normalisations: when either side normalises to "yes", "no" or "noanswer"
+and the two differ, F1 is 0 (a "yes" must not earn partial credit against "yes, in 1990"). Accuracy is 1 when
+a normalised gold answer occurs as a substring of the normalised prediction.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+import unicodedata
+from collections import Counter
+from typing import Callable, Sequence
+
+NORMALIZATIONS = ("official", "paper")
+QA_METRICS = ("em", "f1", "acc")
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+_BINARY_ANSWERS = frozenset({"yes", "no", "noanswer"})
+
+
+def _collapse_whitespace(text: str) -> str:
+    return " ".join(text.split())
+
+
+def normalize_official(text: str) -> str:
+    """The SQuAD / HotpotQA `normalize_answer`."""
+    text = text.lower().translate(_PUNCTUATION)
+    return _collapse_whitespace(_ARTICLES.sub(" ", text))
+
+
+def normalize_paper(text: str) -> str:
+    """Unicode-aware normalisation that keeps punctuation."""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    # NFKD splits "ü" into "u" + a combining diaeresis; dropping the combining marks removes the diacritic.
+    decomposed = unicodedata.normalize("NFKD", text)
+    text = unicodedata.normalize("NFC", "".join(c for c in decomposed if not unicodedata.combining(c)))
+    return _collapse_whitespace(_ARTICLES.sub(" ", text))
+
+
+_NORMALIZERS: dict[str, Callable[[str], str]] = {"official": normalize_official, "paper": normalize_paper}
+
+
+def _token_f1(prediction: str, gold: str) -> float:
+    """Token-bag F1 between two normalised strings, with the HotpotQA yes/no/noanswer rule."""
+    if (prediction in _BINARY_ANSWERS or gold in _BINARY_ANSWERS) and prediction != gold:
+        return 0.0
+    prediction_tokens, gold_tokens = prediction.split(), gold.split()
+    common = sum((Counter(prediction_tokens) & Counter(gold_tokens)).values())
+    if common == 0:
+        return 0.0
+    precision = common / len(prediction_tokens)
+    recall = common / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _substring_match(prediction: str, gold: str) -> bool:
+    # A gold that normalises to nothing (e.g. "The") would otherwise be "contained" in every prediction.
+    return gold in prediction if gold else prediction == gold
+
+
+def qa_scores(prediction: str, golds: Sequence[str], normalization: str = "official") -> dict[str, float]:
+    """{"em", "f1", "acc"} of `prediction` against the best-matching of `golds` (each metric maxed separately)."""
+    if normalization not in _NORMALIZERS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    if isinstance(golds, str) or not golds:
+        raise ValueError(f"golds must be a non-empty sequence of strings, got {golds!r}")
+    normalize = _NORMALIZERS[normalization]
+    normalized_prediction = normalize(prediction)
+    normalized_golds = [normalize(gold) for gold in golds]
+    return {
+        "em": float(any(normalized_prediction == gold for gold in normalized_golds)),
+        "f1": max(_token_f1(normalized_prediction, gold) for gold in normalized_golds),
+        "acc": float(any(_substring_match(normalized_prediction, gold) for gold in normalized_golds)),
+    }

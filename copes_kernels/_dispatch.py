@@ -1,0 +1,101 @@
+"""Backend choice: CUDA tensors run the Triton kernels, CPU tensors the torch reference.
+
+`COPES_BACKEND=triton` forces the kernels everywhere (on CPU through Triton's interpreter, which needs
+TRITON_INTERPRET=1 before the kernels are defined: set here when the kernel modules are first imported);
+`COPES_BACKEND=reference` forces the reference, e.g. to bisect a suspected kernel bug on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from copes_kernels import reference
+
+BACKENDS = ("auto", "reference", "triton")
+
+# Where each op's Triton launcher lives (same name and signature as its reference twin).
+TRITON_MODULES = {
+    "philox4x32_10": "copes_kernels.triton_rng",
+    "normal": "copes_kernels.triton_rng",
+    "perturb_": "copes_kernels.perturb",
+    "backup_chunks": "copes_kernels.perturb",
+    "restore_chunks_": "copes_kernels.perturb",
+    "accumulate_": "copes_kernels.update",
+    "lowrank_factors": "copes_kernels.lowrank",
+    "lowrank_linear": "copes_kernels.lowrank",
+    "lowrank_accumulate_": "copes_kernels.lowrank",
+}
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def backend_for(device: torch.device | str | None) -> str:
+    """'triton' or 'reference' for data on `device`, honouring COPES_BACKEND."""
+    choice = os.environ.get("COPES_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"COPES_BACKEND must be one of {BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        return "triton" if on_cuda and triton_available() else "reference"
+    if choice == "triton" and not triton_available():
+        raise RuntimeError("COPES_BACKEND=triton but triton is not installed (pip install 'copes[triton]')")
+    return choice
+
+
+def _triton_module(name: str, device: torch.device | str | None) -> ModuleType:
+    module_name = TRITON_MODULES[name]
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if on_cpu and module_name not in importlib.sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 (set it before importing copes_kernels)")
+    return importlib.import_module(module_name)
+
+
+def dispatched(name: str, device_of: Callable[..., torch.device | str | None]) -> Callable[..., Any]:
+    """The public op `name`: routes each call to the Triton launcher or the reference twin."""
+    reference_op = getattr(reference, name)
+
+    @functools.wraps(reference_op)
+    def op(*args: Any, **kwargs: Any) -> Any:
+        device = device_of(*args, **kwargs)
+        if backend_for(device) == "reference":
+            return reference_op(*args, **kwargs)
+        return getattr(_triton_module(name, device), name)(*args, **kwargs)
+
+    return op
+
+
+def _first_tensor_device(first: torch.Tensor, *_: Any, **__: Any) -> torch.device:
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"expected a tensor as the first argument, got {type(first).__name__}")
+    return first.device
+
+
+def _device_keyword(*_: Any, device: torch.device | str | None = None, **__: Any) -> torch.device | str | None:
+    return device
+
+
+philox4x32_10 = dispatched("philox4x32_10", _first_tensor_device)
+normal = dispatched("normal", _device_keyword)
+perturb_ = dispatched("perturb_", _first_tensor_device)
+backup_chunks = dispatched("backup_chunks", _first_tensor_device)
+restore_chunks_ = dispatched("restore_chunks_", _first_tensor_device)
+accumulate_ = dispatched("accumulate_", _first_tensor_device)
+lowrank_factors = dispatched("lowrank_factors", _device_keyword)
+lowrank_linear = dispatched("lowrank_linear", _first_tensor_device)
+lowrank_accumulate_ = dispatched("lowrank_accumulate_", _first_tensor_device)

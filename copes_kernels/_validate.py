@@ -1,0 +1,165 @@
+"""Argument checks shared by both backends, so a bad call fails the same way, with one clear message, anywhere."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from copes_kernels.partition import PARTITION_DTYPE
+from copes_kernels.rng import MASK32, check_stream_ids
+
+FLOAT_STORAGE = (torch.float32, torch.bfloat16, torch.float16)
+ROUNDING_MODES = ("nearest", "stochastic")
+
+
+def check_storage(name: str, tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in FLOAT_STORAGE:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() or pass a contiguous slice)")
+
+
+def check_same_device(name: str, tensor: torch.Tensor, reference: torch.Tensor, reference_name: str) -> None:
+    if tensor.device != reference.device:
+        raise ValueError(f"{name} is on {tensor.device} but {reference_name} is on {reference.device}")
+
+
+def check_finite(name: str, value: float) -> None:
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be finite, got {value}")
+
+
+def check_rounding(rounding: str, target: torch.Tensor) -> None:
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
+    if rounding == "stochastic" and target.dtype == torch.float32:
+        raise ValueError("stochastic rounding applies to bfloat16/float16 targets; float32 rounds to nearest")
+
+
+def check_chunking(
+    dst: torch.Tensor,
+    *,
+    offset: int,
+    chunk_subspace: torch.Tensor | None,
+    subspace: int | None,
+    chunk_size: int,
+    subspace_name: str = "subspace",
+) -> None:
+    """Offsets, chunk size and the partition map (which must cover every chunk this slice touches)."""
+    if int(offset) < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    if int(chunk_size) <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    if chunk_subspace is None:
+        if subspace is not None:
+            raise ValueError(f"{subspace_name} was given without chunk_subspace")
+        return
+    if subspace is None:
+        raise ValueError(f"chunk_subspace was given without {subspace_name}")
+    if not isinstance(chunk_subspace, torch.Tensor) or chunk_subspace.dtype != PARTITION_DTYPE:
+        raise ValueError("chunk_subspace must be an int16 tensor (from make_partition)")
+    if chunk_subspace.dim() != 1 or not chunk_subspace.is_contiguous():
+        raise ValueError("chunk_subspace must be a contiguous 1-D tensor")
+    check_same_device("chunk_subspace", chunk_subspace, dst, "the data tensor")
+    needed = (int(offset) + dst.numel() - 1) // int(chunk_size) + 1 if dst.numel() else 0
+    if chunk_subspace.numel() < needed:
+        raise ValueError(
+            f"chunk_subspace has {chunk_subspace.numel()} entries but elements up to {int(offset) + dst.numel()} "
+            f"span {needed} chunks of {chunk_size}: pass the partition of the whole parameter"
+        )
+
+
+def check_perturb_args(
+    dst: torch.Tensor,
+    src: torch.Tensor | None,
+    *,
+    seed: int,
+    member: int,
+    tensor_id: int,
+    sigma: float,
+    offset: int,
+    chunk_subspace: torch.Tensor | None,
+    subspace: int | None,
+    chunk_size: int,
+) -> None:
+    check_storage("dst", dst)
+    if src is not None:
+        check_storage("src", src)
+        check_same_device("src", src, dst, "dst")
+        if src.numel() != dst.numel():
+            raise ValueError(f"src has {src.numel()} elements but dst has {dst.numel()}")
+    check_stream_ids(seed, member, tensor_id)
+    check_finite("sigma", sigma)
+    check_chunking(dst, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+
+
+def as_members_and_coeffs(
+    target: torch.Tensor, members: Sequence[int] | torch.Tensor, coeffs: Sequence[float] | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Members as int64 and coefficients as float32, both 1-D, on target's device."""
+    members_t = torch.as_tensor(members, dtype=torch.int64).reshape(-1)
+    coeffs_t = torch.as_tensor(coeffs).reshape(-1)
+    if members_t.numel() != coeffs_t.numel():
+        raise ValueError(f"members has {members_t.numel()} entries but coeffs has {coeffs_t.numel()}")
+    if members_t.numel() and (int(members_t.min()) < 0 or int(members_t.max()) > MASK32):
+        raise ValueError("members must be uint32 values")
+    if not bool(torch.isfinite(coeffs_t).all()):
+        raise ValueError("coeffs must be finite (a NaN reward must be handled before the update)")
+    return members_t.to(target.device), coeffs_t.to(device=target.device, dtype=torch.float32)
+
+
+def check_accumulate_args(
+    target: torch.Tensor,
+    *,
+    seed: int,
+    members: torch.Tensor,
+    tensor_id: int,
+    offset: int,
+    chunk_subspace: torch.Tensor | None,
+    member_subspaces: Sequence[int] | torch.Tensor | None,
+    chunk_size: int,
+    rounding: str,
+) -> torch.Tensor | None:
+    """Validate and return member_subspaces as an int64 tensor on target's device (None without a partition)."""
+    check_storage("target", target)
+    check_stream_ids(seed, 0, tensor_id)
+    check_rounding(rounding, target)
+    check_chunking(
+        target,
+        offset=offset,
+        chunk_subspace=chunk_subspace,
+        subspace=None if member_subspaces is None else 0,
+        chunk_size=chunk_size,
+        subspace_name="member_subspaces",
+    )
+    if member_subspaces is None:
+        return None
+    subspaces_t = torch.as_tensor(member_subspaces, dtype=torch.int64).reshape(-1)
+    if subspaces_t.numel() != members.numel():
+        raise ValueError(f"member_subspaces has {subspaces_t.numel()} entries but members has {members.numel()}")
+    return subspaces_t.to(target.device)
+
+
+def check_lowrank_factors(A: torch.Tensor, B: torch.Tensor, out_features: int, in_features: int) -> int:
+    """Population factors A [P, m, r], B [P, n, r] (float32); returns the rank."""
+    for name, factor, rows in (("A", A, out_features), ("B", B, in_features)):
+        if factor.dim() != 3:
+            raise ValueError(f"{name} must be [population, {'out' if name == 'A' else 'in'}_features, rank], got {tuple(factor.shape)}")
+        if factor.shape[1] != rows:
+            raise ValueError(f"{name} has {factor.shape[1]} rows but the weight needs {rows}")
+        if factor.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 (from lowrank_factors), got {factor.dtype}")
+    if A.shape[0] != B.shape[0] or A.shape[2] != B.shape[2]:
+        raise ValueError(f"A {tuple(A.shape)} and B {tuple(B.shape)} disagree on population or rank")
+    if A.shape[2] < 1:
+        raise ValueError("rank must be >= 1")
+    return int(A.shape[2])
+
+
+def check_rank(rank: int) -> None:
+    if int(rank) < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")

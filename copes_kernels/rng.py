@@ -1,0 +1,119 @@
+"""The noise contract: Philox4x32-10 keyed by integers, turned into uniforms and Box–Muller normals.
+
+Noise is a pure function of (seed, member, tensor_id, element index i), so the perturbation of a member and its
+replay in the update agree on any backend, any rank, after any resume and under any chunking:
+
+    key     = (seed & 0xffffffff, seed >> 32)
+    counter = (q & 0xffffffff, q >> 32, member, tensor_id),  q = i >> 2
+    x0..x3  = Philox4x32-10(counter, key)
+    u_k     = (x_k >> 8) * 2^-24 + 2^-25                      (float32)
+    n0, n1  = sqrt(-2 ln u0) * (cos, sin)(2 pi u1);  n2, n3 likewise from (u2, u3)
+    eps(i)  = n_(i & 3)
+
+This module is the host implementation of the contract (exact unsigned numpy arithmetic, results on any device); the Triton
+twin lives in `triton_rng.py` and must produce bit-identical words. One float32 detail: the largest word
+(x >> 8 = 2^24 - 1) rounds u to exactly 1.0 (ties-to-even); ln(1) = 0 gives a zero radius, never a NaN.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Random123's Philox4x32 multipliers and Weyl key increments (Salmon et al., SC'11).
+PHILOX_M0 = 0xD2511F53
+PHILOX_M1 = 0xCD9E8D57
+PHILOX_W0 = 0x9E3779B9
+PHILOX_W1 = 0xBB67AE85
+PHILOX_ROUNDS = 10
+
+MASK32 = 0xFFFFFFFF
+UINT64_MAX = (1 << 64) - 1
+UNIFORM_SCALE = 2.0**-24  # 24 random bits fill a float32 mantissa exactly
+UNIFORM_HALF_STEP = 2.0**-25  # centre each bucket so u is never 0
+TWO_PI = 6.283185307179586
+
+# Reserved member ids for streams that are not population noise (never reachable as a member index: the trainer
+# rejects populations this large). They keep the partition and stochastic rounding independent of every eps.
+PARTITION_STREAM = 0xFFFFFFFF
+ROUNDING_STREAM = 0xFFFFFFFE
+
+
+def _philox_rounds(c0, c1, c2, c3, k0, k1) -> tuple[np.ndarray, ...]:
+    """The 10 rounds on uint64 arrays holding uint32 words: the 32x32-bit products fit exactly in 64 bits."""
+    m0, m1, low32, shift = np.uint64(PHILOX_M0), np.uint64(PHILOX_M1), np.uint64(MASK32), np.uint64(32)
+    w0, w1 = np.uint64(PHILOX_W0), np.uint64(PHILOX_W1)
+    for _ in range(PHILOX_ROUNDS):
+        p0, p1 = c0 * m0, c2 * m1
+        c0, c1, c2, c3 = (p1 >> shift) ^ c1 ^ k0, p1 & low32, (p0 >> shift) ^ c3 ^ k1, p0 & low32
+        k0, k1 = (k0 + w0) & low32, (k1 + w1) & low32
+    return c0, c1, c2, c3
+
+
+def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Philox4x32-10 on int64 tensors holding uint32 values: counter [..., 4], key [..., 2] -> words [..., 4].
+
+    Computed with numpy's unsigned arithmetic on the host (exact, and ~15x faster than int64 torch on CPU);
+    the words come back on counter's device.
+    """
+    if counter.dtype != torch.int64 or key.dtype != torch.int64:
+        raise ValueError(f"counter and key must be int64 tensors holding uint32 values, got {counter.dtype}, {key.dtype}")
+    if counter.shape[-1] != 4 or key.shape[-1] != 2:
+        raise ValueError(f"counter must be [..., 4] and key [..., 2], got {tuple(counter.shape)} and {tuple(key.shape)}")
+    if bool(((counter < 0) | (counter > MASK32)).any()) or bool(((key < 0) | (key > MASK32)).any()):
+        raise ValueError("counter and key words must lie in [0, 2^32)")
+    c = counter.cpu().numpy().astype(np.uint64)
+    k = key.cpu().numpy().astype(np.uint64)
+    words = _philox_rounds(c[..., 0], c[..., 1], c[..., 2], c[..., 3], k[..., 0], k[..., 1])
+    return torch.from_numpy(np.stack(np.broadcast_arrays(*words), axis=-1).astype(np.int64)).to(counter.device)
+
+
+def check_stream_ids(seed: int, member: int, tensor_id: int) -> None:
+    if not 0 <= int(seed) <= UINT64_MAX:
+        raise ValueError(f"seed must be a uint64 (0 <= seed < 2^64), got {seed}")
+    if not 0 <= int(member) <= MASK32:
+        raise ValueError(f"member must be a uint32, got {member}")
+    if not 0 <= int(tensor_id) <= MASK32:
+        raise ValueError(f"tensor_id must be a uint32, got {tensor_id}")
+
+
+def philox_blocks(
+    first_block: int, num_blocks: int, *, seed: int, member: int, tensor_id: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Philox words [num_blocks, 4] (int64) for counters q = first_block .. first_block + num_blocks - 1."""
+    check_stream_ids(seed, member, tensor_id)
+    q = np.arange(first_block, first_block + num_blocks, dtype=np.uint64)
+    member_word, tensor_word = np.full_like(q, int(member)), np.full_like(q, int(tensor_id))
+    key0, key1 = np.uint64(int(seed) & MASK32), np.uint64(int(seed) >> 32)
+    words = _philox_rounds(q & np.uint64(MASK32), q >> np.uint64(32), member_word, tensor_word, key0, key1)
+    return torch.from_numpy(np.stack(words, axis=-1).view(np.int64)).to(device)
+
+
+def words_to_uniform(words: torch.Tensor) -> torch.Tensor:
+    """uint32 words (in int64) -> float32 uniforms in (0, 1]."""
+    return (words >> 8).to(torch.float32) * UNIFORM_SCALE + UNIFORM_HALF_STEP
+
+
+def words_to_normal(words: torch.Tensor) -> torch.Tensor:
+    """Philox blocks [..., 4] -> Box–Muller normals [..., 4], float32, pairs (u0, u1) and (u2, u3)."""
+    u = words_to_uniform(words)
+    radius = torch.sqrt(-2.0 * torch.log(u[..., 0::2]))  # [..., 2]: from u0 and u2
+    angle = TWO_PI * u[..., 1::2]  # [..., 2]: from u1 and u3
+    cos, sin = radius * torch.cos(angle), radius * torch.sin(angle)
+    return torch.stack((cos[..., 0], sin[..., 0], cos[..., 1], sin[..., 1]), dim=-1)
+
+
+def normal_stream(
+    n: int, *, seed: int, member: int, tensor_id: int, offset: int = 0, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """eps(offset), ..., eps(offset + n - 1) as a float32 tensor (the whole contract in one call)."""
+    if n < 0 or offset < 0:
+        raise ValueError(f"n and offset must be >= 0, got n={n}, offset={offset}")
+    if n == 0:
+        return torch.empty(0, dtype=torch.float32, device=device)
+    first_block, last_block = offset >> 2, (offset + n - 1) >> 2
+    blocks = philox_blocks(
+        first_block, last_block - first_block + 1, seed=seed, member=member, tensor_id=tensor_id, device=device
+    )
+    start = offset - 4 * first_block
+    return words_to_normal(blocks).reshape(-1)[start : start + n]

@@ -1,0 +1,43 @@
+"""CoPES: evolution-strategies post-training of LLMs with fused noise kernels."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="copes",
+    version="0.1.0",
+    description="Forward-only evolution-strategies post-training of LLMs (CoPES, ES, EGGROLL) with fused Triton kernels",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["copes", "copes.*", "copes_kernels", "copes_kernels.*"]),
+    package_data={"copes": ["assets/tiny/*", "assets/*.json", "assets/*.jsonl"]},
+    install_requires=[
+        "torch>=2.4",
+        "numpy>=1.24",
+        "safetensors>=0.4",
+        "transformers>=4.57",
+        "tokenizers>=0.20",
+        "click>=8.1",
+        "pyyaml>=6.0",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+        "math-verify>=0.7",
+        "bm25s>=0.2",
+        "datasets>=3.0",
+    ],
+    extras_require={
+        # Triton ships with CUDA builds of torch; on CPU it only serves the interpreter-mode kernel tests.
+        "triton": ["triton>=3.2"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.2"],
+        "tensorboard": ["tensorboard>=2.15"],
+    },
+    entry_points={
+        "console_scripts": [
+            "copes-run=copes.cli:run_command",
+            "copes-eval=copes.cli:eval_command",
+            "copes-bench=copes.cli:bench_command",
+        ]
+    },
+    classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
+)
