@@ -8,9 +8,10 @@ thread of the trainer and bounded in time whatever the model writes.
 
 Parsing: gold and prediction are final answers as strings (`extract_answer` output). Each is wrapped in
 `\\boxed{...}` before `math_verify.parse`, because math-verify only reads bare LaTeX such as `\\frac{\\pi}{6}`
-or `p - q` inside a box or math delimiters; a prediction that is free text (extraction fell back to the whole
-output) is also parsed as it is, so math-verify can find the answer in the prose. The gold is parsed first and
-passed first: `verify(gold, prediction)` is asymmetric.
+or `p - q` inside a box or math delimiters. A prediction that looks like prose (extraction fell back to the
+whole output, or the model wrote "18 dollars") is also parsed as it is, so math-verify can find the answer in
+the sentence; bare expressions are not, because the raw parse would pick a number out of them ("6 - 5i" -> 5).
+The gold is parsed first and passed first: `verify(gold, prediction)` is asymmetric.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import atexit
 import json
 import os
 import queue
+import re
 import select
 import subprocess
 import sys
@@ -38,6 +40,10 @@ _STARTUP_TIMEOUT_S = 120.0
 # worker's address space turns that into a MemoryError inside math-verify (scored False) instead.
 _WORKER_MEMORY_LIMIT_BYTES = 4 << 30
 _READY = "ready"
+# A LaTeX command with its first argument (`\\text{ cm}`, `\\begin{pmatrix}`) is not prose; a word of two or
+# more letters left after removing those is.
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?")
+_PROSE_WORD = re.compile(r"[A-Za-z]{2,}")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -45,11 +51,17 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 # Worker side: runs in the child process.
 
 
-def _parse_answer(text: str, *, free_text: bool) -> list:
+def _looks_like_prose(text: str) -> bool:
+    """True when `text` has an English word outside LaTeX commands ("18 dollars", "The answer is 5")."""
+    return _PROSE_WORD.search(_LATEX_COMMAND.sub(" ", text)) is not None
+
+
+def _parse_answer(text: str, *, may_be_prose: bool) -> list:
     from math_verify import parse
 
     parsed = parse(f"\\boxed{{{text}}}", parsing_timeout=_INNER_TIMEOUT_S)
-    if free_text:
+    if may_be_prose and _looks_like_prose(text):
+        # Boxed prose parses as a product of letters; the raw parse finds the answer inside the sentence.
         parsed = parsed + parse(text, parsing_timeout=_INNER_TIMEOUT_S)
     return parsed
 
@@ -57,8 +69,8 @@ def _parse_answer(text: str, *, free_text: bool) -> list:
 def _check(prediction: str, gold: str) -> bool:
     from math_verify import verify
 
-    gold_parsed = _parse_answer(gold, free_text=False)
-    prediction_parsed = _parse_answer(prediction, free_text=True)
+    gold_parsed = _parse_answer(gold, may_be_prose=False)
+    prediction_parsed = _parse_answer(prediction, may_be_prose=True)
     if not gold_parsed or not prediction_parsed:
         return False
     return bool(verify(gold_parsed, prediction_parsed, timeout_seconds=_INNER_TIMEOUT_S))
@@ -185,18 +197,18 @@ class MathVerifierPool:
         if prediction.strip() == gold.strip():
             return True
         worker = self._idle.get()
+        healthy = False
         try:
             result = worker.check(prediction, gold, self.timeout_s if timeout_s is None else timeout_s)
+            healthy = True
         except (_WorkerTimeout, EOFError, BrokenPipeError):
-            # Hung or crashed on this input: the verdict is False, and a fresh worker takes this one's place.
-            self._retire(worker)
-            self._add_worker()
-            return False
-        except BaseException:
-            self._retire(worker)
-            self._add_worker()
-            raise
-        self._idle.put(worker)
+            result = False  # the worker hung or crashed on this input
+        finally:
+            if healthy:
+                self._idle.put(worker)
+            else:  # its state is unknown (maybe mid-check): a fresh worker takes its place
+                self._retire(worker)
+                self._add_worker()
         return result
 
     def correct_batch(

@@ -158,6 +158,7 @@ class PythonSandbox:
             "uid": sandbox_uid,
             "report_fd": report_write,
             "rlimits": self._rlimits(sandbox_uid),
+            "interpreter_paths": self._interpreter_paths(),
         }
         try:
             process = subprocess.Popen(
@@ -238,6 +239,15 @@ class PythonSandbox:
             "open_files": self.max_open_files,
             "file_bytes": self.max_file_bytes,
         }
+
+    def _interpreter_paths(self) -> list[str]:
+        """Where the sandboxed interpreter reads from: its install prefix, and for our own interpreter also the
+        import path (site-packages, editable installs such as this package)."""
+        interpreter = os.path.realpath(self.python)
+        paths = {interpreter, os.path.dirname(os.path.dirname(interpreter))}
+        if interpreter == os.path.realpath(sys.executable):
+            paths.update([sys.prefix, sys.base_prefix, *(entry for entry in sys.path if os.path.isabs(entry))])
+        return sorted(path for path in paths if os.path.exists(path))
 
     def _environment(self, workdir: Path) -> dict[str, str]:
         return {
@@ -328,11 +338,13 @@ def _unshare(libc: ctypes.CDLL, flags: int) -> str | None:
     return None
 
 
-def _mount(libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int) -> None:
+def _mount(
+    libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
     def encode(text: str | None) -> bytes | None:
         return None if text is None else os.fsencode(text)
 
-    _libc_call(libc, "mount", encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), None)
+    _libc_call(libc, "mount", encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data))
 
 
 def _enter_user_namespace(libc: ctypes.CDLL) -> str | None:
@@ -364,13 +376,49 @@ def _mounts() -> list[tuple[str, int, bool]]:
     return mounts
 
 
-def _make_filesystem_read_only(libc: ctypes.CDLL, workdir: str, fresh_proc: bool) -> str:
+def _open_closed_directories(libc: ctypes.CDLL, needed_paths: list[str]) -> list[str]:
+    """Let the dropped uid reach the interpreter when it lives under a directory others cannot search (a pyenv
+    under /root, mode 700): in this mount namespace only, such a directory is covered by an empty tmpfs holding
+    bind mounts of just the entries on the way to the needed paths. Returns the entries made reachable."""
+    wanted: dict[Path, set[str]] = {}
+    for needed in needed_paths:
+        parts = Path(needed).parts
+        for depth in range(1, len(parts)):
+            directory = Path(*parts[:depth])
+            if not os.stat(directory).st_mode & 0o001:
+                wanted.setdefault(directory, set()).add(parts[depth])
+    exposed = []
+    # Parents first: a deeper closed directory is reached through the bind mounts made for its parent.
+    for directory in sorted(wanted, key=lambda path: len(path.parts)):
+        handles = {name: os.open(directory / name, os.O_PATH) for name in sorted(wanted[directory])}
+        try:
+            _mount(libc, "tmpfs", str(directory), "tmpfs", 0, "mode=755,size=64k")
+            for name, handle in handles.items():
+                entry = directory / name
+                if os.path.isdir(f"/proc/self/fd/{handle}"):
+                    entry.mkdir()
+                else:
+                    entry.touch()
+                _mount(libc, f"/proc/self/fd/{handle}", str(entry), None, MS_BIND | MS_REC)
+                exposed.append(str(entry))
+        finally:
+            for handle in handles.values():
+                os.close(handle)
+    return exposed
+
+
+def _make_filesystem_read_only(libc: ctypes.CDLL, config: dict, fresh_proc: bool) -> str:
     """In the private mount namespace: remount everything read-only except the work dir; returns the verdict."""
+    workdir = config["workdir"]
     # Private first: otherwise mount events would propagate back to the caller's namespace.
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
     # A bind mount of the work dir onto itself is a mount of its own, left writable when its parent turns ro.
     _mount(libc, workdir, workdir, None, MS_BIND)
     notes = []
+    if config["uid"] is not None:
+        exposed = _open_closed_directories(libc, config["interpreter_paths"])
+        if exposed:
+            notes.append(f"closed directories hidden except {', '.join(exposed)} (the interpreter lives there)")
     if fresh_proc:
         try:
             _mount(libc, "proc", "/proc", "proc", _PROC_MOUNT_FLAGS)
@@ -446,7 +494,7 @@ def _run_init(
         try:
             if mounts_refused is not None:
                 raise OSError(f"unshare(NEWNS): {mounts_refused}")
-            isolation["filesystem"] = _make_filesystem_read_only(libc, config["workdir"], fresh_proc=pid_namespace)
+            isolation["filesystem"] = _make_filesystem_read_only(libc, config, fresh_proc=pid_namespace)
         except OSError as error:
             isolation["filesystem"] = (
                 f"no: {error}; writes are limited only by file permissions "

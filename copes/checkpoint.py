@@ -1,0 +1,137 @@
+"""Checkpoints that survive `kill -9`: written to a temporary folder, fsynced, renamed, then verified on load.
+
+Layout of `<output_dir>/checkpoints/step-000010/`: the model through `save_pretrained` (safetensors, loadable by
+`AutoModelForCausalLM.from_pretrained` and vLLM), the tokenizer, `es_state.safetensors` + `es_state.json` (the
+strategy's tensors and plain values), `trainer_state.json` (step, config, metrics so far) and `MANIFEST.json`
+(sha256 of every file). `checkpoints/latest` names the newest complete checkpoint; it is replaced atomically last,
+so a crash at any point leaves the previous checkpoint current.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from copes.config import ConfigError
+
+MANIFEST = "MANIFEST.json"
+LATEST = "latest"
+TENSOR_MARK = "__tensor__"
+
+
+def flatten_state(state: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split a nested dict/list of tensors and plain values into (JSON-able skeleton, named tensors)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value.detach().cpu().contiguous()
+            return {TENSOR_MARK: path}
+        if isinstance(value, dict):
+            return {str(k): walk(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v, f"{path}.{i}") for i, v in enumerate(value)]
+        return value
+
+    return walk(state, prefix), tensors
+
+
+def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {TENSOR_MARK}:
+            return tensors[skeleton[TENSOR_MARK]]
+        return {k: unflatten_state(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [unflatten_state(v, tensors) for v in skeleton]
+    return skeleton
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.iterdir():
+        with path.open("rb") as handle:
+            os.fsync(handle.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    with temporary.open("w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def save_checkpoint(
+    root: Path, step: int, *, model: Any, tokenizer: Any, es_state: dict[str, Any], trainer_state: dict[str, Any]
+) -> Path:
+    """Write checkpoint `step` under `root` (= <output_dir>/checkpoints) and point `latest` at it."""
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    final, staging = root / name, root / f".{name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    skeleton, tensors = flatten_state(es_state)
+    save_file(tensors, str(staging / "es_state.safetensors"))
+    (staging / "es_state.json").write_text(json.dumps(skeleton, indent=1), encoding="utf-8")
+    (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
+    manifest = {path.name: _sha256(path) for path in sorted(staging.iterdir())}
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    _fsync_tree(staging)
+    shutil.rmtree(final, ignore_errors=True)  # a re-run of the same step replaces its own old copy
+    os.replace(staging, final)
+    write_text_atomic(root / LATEST, name)
+    return final
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """Accept a run's output dir, its checkpoints/ folder, or one checkpoint folder."""
+    path = Path(path)
+    for root in (path / "checkpoints", path):
+        latest = root / LATEST
+        if latest.is_file():
+            return root / latest.read_text(encoding="utf-8").strip()
+    if (path / MANIFEST).is_file():
+        return path
+    raise ConfigError(f"--resume {path} is not a checkpoint (no checkpoints/latest and no {MANIFEST} found)")
+
+
+def verify_checkpoint(folder: Path) -> None:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"checkpoint {folder} has no readable {MANIFEST}: {error}") from None
+    for name, expected in manifest.items():
+        file = folder / name
+        if not file.is_file() or _sha256(file) != expected:
+            raise ConfigError(f"checkpoint {folder} is corrupt: {name} is missing or does not match its checksum")
+
+
+def load_checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Verified (es_state, trainer_state) of a checkpoint; the model itself loads through from_pretrained."""
+    verify_checkpoint(folder)
+    skeleton = json.loads((folder / "es_state.json").read_text(encoding="utf-8"))
+    es_state = unflatten_state(skeleton, load_file(str(folder / "es_state.safetensors")))
+    trainer_state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+    return es_state, trainer_state

@@ -1,0 +1,61 @@
+"""Turning a TrainConfig into the objects the trainer drives: the ES strategy and the agent's tools."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from copes.config import ConfigError, TrainConfig
+from copes.metrics import PhaseTimer
+from copes.tasks import Task
+
+
+def build_strategy(cfg: TrainConfig, model: Any) -> Any:
+    from copes.strategies import EGGROLL, CoPES, CoPESLowRank
+
+    common = dict(population=cfg.population, sigma=cfg.sigma, lr=cfg.lr, seed=cfg.seed,
+                  include=cfg.include or None, exclude=cfg.exclude or None, fitness=cfg.fitness)
+    try:
+        if cfg.algorithm in ("copes", "es"):
+            return CoPES(model, num_subspaces=cfg.num_subspaces, chunk_size=cfg.chunk_size, restore=cfg.restore, **common)
+        if cfg.algorithm == "eggroll":
+            return EGGROLL(model, rank=cfg.rank, **common)
+        return CoPESLowRank(model, num_subspaces=cfg.subspaces, rank=cfg.rank, **common)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+class TimedTool:
+    """A tool whose calls add their wall time to the run's `tools` phase."""
+
+    def __init__(self, tool: Any, timer: PhaseTimer) -> None:
+        self.tool, self.timer = tool, timer
+        self.name, self.description, self.parameters = tool.name, tool.description, tool.parameters
+
+    def call(self, arguments: dict) -> str:
+        start = time.perf_counter()
+        try:
+            return self.tool.call(arguments)
+        finally:
+            self.timer.add("tools", time.perf_counter() - start)
+
+
+def build_tools(
+    task: Task, *, enabled: bool, corpus: str | None, retriever_url: str | None, timer: PhaseTimer
+) -> list[TimedTool]:
+    """Python sandbox for every chat task; search too when a retriever or corpus is available."""
+    if not enabled or not task.chat:
+        return []
+    from copes.tools import BM25Search, HttpRetriever, PythonTool, SearchTool
+
+    tools: list[Any] = [PythonTool()]
+    if retriever_url:
+        tools.append(SearchTool(HttpRetriever(retriever_url)))
+    elif corpus:
+        if not Path(corpus).is_file():
+            raise ConfigError(f"search corpus {corpus} does not exist")
+        tools.append(SearchTool(BM25Search(corpus)))
+    elif hasattr(task, "search_corpus"):
+        tools.append(SearchTool(BM25Search(task.search_corpus())))
+    return [TimedTool(tool, timer) for tool in tools]

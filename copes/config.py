@@ -1,0 +1,153 @@
+"""Run configuration: one dataclass with help text; YAML files and CLI flags map onto it.
+
+Precedence, lowest first: the dataclass defaults (the paper's hyperparameters) < the model's own preset
+(`copes.yaml` inside a model directory, e.g. the embedded tiny model) < `--config FILE.yaml` < CLI flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ALGORITHMS = ("copes", "es", "eggroll", "copes-lowrank")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+RESTORES = ("device", "host", "subtract")
+EMBEDDED_MODEL = "tiny"
+PRESET_FILE = "copes.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the CLI prints it as one line and exits with status 2."""
+
+
+def _opt(default: Any, help: str, **kwargs: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+@dataclass
+class TrainConfig:
+    model: str = _opt(EMBEDDED_MODEL, "model directory or hub id; 'tiny' is the embedded default model")
+    task: str = _opt("arithmetic", "task name (copes.tasks): gsm8k, math, math500, aime24, aime25, hotpotqa, 2wiki, musique, arithmetic")
+    algorithm: str = _opt("copes", "copes | es (copes with K=1) | eggroll | copes-lowrank")
+    population: int = _opt(40, "N: perturbed members per step (paper: 40)")
+    subspaces: int = _opt(4, "K: random parameter subspaces per step (paper: 4); forced to 1 for es")
+    sigma: float = _opt(1e-3, "noise scale sigma; each subspace uses sqrt(K) * sigma (paper: 1e-3)")
+    lr: float = _opt(5e-4, "learning rate alpha (paper: 5e-4)")
+    rank: int = _opt(1, "EGGROLL rank r of each member's perturbation (eggroll, copes-lowrank)")
+    steps: int = _opt(100, "ES steps to run")
+    prompt_batch: int = _opt(64, "questions per step, shared by every member (paper: 64)")
+    max_new_tokens: int = _opt(1024, "tokens generated per turn")
+    max_turns: int = _opt(8, "agent turns per question (tool calls need turns)")
+    max_context_tokens: int = _opt(131072, "hard cap on prompt + generated tokens per question (paper: 128K)")
+    tools: bool = _opt(True, "let the agent call the Python sandbox and search (where the task supports them)")
+    search_corpus: str | None = _opt(None, "BM25 corpus jsonl for the search tool (default: built from the task's contexts)")
+    retriever_url: str | None = _opt(None, "Search-R1 style retrieval server URL instead of local BM25")
+    fitness: str = _opt("joint", "reward standardisation: joint | per_subspace | centered_rank | per_question")
+    dtype: str = _opt("auto", "weights dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16")
+    device: str = _opt("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
+    restore: str = _opt("device", "how a member's perturbation is undone: device backup | host backup | subtract")
+    chunk_size: int = _opt(65536, "elements per partition chunk")
+    seed: int = _opt(0, "seeds the data order, every noise stream and the partition")
+    eval_split: str = _opt("validation", "split used for held-out accuracy (falls back to test if absent)")
+    eval_size: int = _opt(200, "held-out questions evaluated before, during and after training")
+    eval_every: int = _opt(0, "steps between held-out evaluations during training (0: only before and after)")
+    checkpoint_every: int = _opt(10, "steps between checkpoints (0: only at the end)")
+    output_dir: str = _opt("runs/copes", "where metrics, plots, summary and checkpoints go")
+    budget_hours: float | None = _opt(None, "stop cleanly (checkpoint + summary) after this much wall time")
+    tensorboard: bool = _opt(False, "also write TensorBoard events (needs the tensorboard package)")
+    data_dir: str | None = _opt(None, "local dataset folder (default: $COPES_DATA_DIR or ../shared/data; else the hub)")
+    include: list[str] = _opt([], "only parameters whose names match one of these patterns (default: all)")
+    exclude: list[str] = _opt([], "parameters whose names match these patterns are never perturbed")
+
+    def validate(self) -> "TrainConfig":
+        """Reject inconsistent settings with one sentence naming the option."""
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"unknown algorithm {self.algorithm!r}; choose one of: {', '.join(ALGORITHMS)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
+        if self.restore not in RESTORES:
+            raise ConfigError(f"unknown restore {self.restore!r}; choose one of: {', '.join(RESTORES)}")
+        for name in ("sigma", "lr"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
+        for name in ("population", "subspaces", "rank", "prompt_batch", "max_new_tokens", "max_turns", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.steps < 0 or self.eval_size < 0 or self.eval_every < 0 or self.checkpoint_every < 0:
+            raise ConfigError("--steps, eval_size, eval_every and checkpoint_every must be >= 0")
+        if self.algorithm in ("copes", "copes-lowrank") and self.population % self.subspaces:
+            raise ConfigError(
+                f"--population {self.population} is not divisible by --subspaces {self.subspaces}: "
+                "every subspace needs the same number of members"
+            )
+        if self.budget_hours is not None and self.budget_hours <= 0:
+            raise ConfigError(f"--budget-hours must be > 0, got {self.budget_hours}")
+        return self
+
+    @property
+    def num_subspaces(self) -> int:
+        return 1 if self.algorithm in ("es", "eggroll") else self.subspaces
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELD_NAMES = {f.name for f in fields(TrainConfig)}
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping of TrainConfig fields; unknown keys and malformed files are ConfigErrors naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"cannot read config {path}: {error.strerror or error}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"invalid YAML in {path}{where}: {getattr(error, 'problem', error)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of option: value, got {type(data).__name__}")
+    unknown = sorted(set(data) - FIELD_NAMES)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) in {path}: {', '.join(unknown)}")
+    return data
+
+
+def build_config(*layers: dict[str, Any]) -> TrainConfig:
+    """Merge layers (later wins) onto the defaults, coercing scalar types; validation included."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged.update({k: v for k, v in layer.items() if v is not None})
+    types = {f.name: f.type for f in fields(TrainConfig)}
+    for name, value in merged.items():
+        merged[name] = _coerce(name, value, types[name])
+    return TrainConfig(**merged).validate()
+
+
+def _coerce(name: str, value: Any, annotation: str) -> Any:
+    target = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation.split(" |")[0])
+    if annotation.startswith("list"):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"option {name} must be a list, got {value!r}")
+        return [str(v) for v in value]
+    if target is None or isinstance(value, target) and not (target is int and isinstance(value, bool)):
+        return value
+    try:
+        if target is bool:
+            if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+                return value.lower() in ("true", "yes", "1")
+            raise ValueError
+        return target(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"option {name} must be {annotation}, got {value!r}") from None

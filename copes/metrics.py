@@ -1,0 +1,106 @@
+"""Where a run reports: metrics.jsonl, the curve PNG, phase timers and peak memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PHASES = ("generate", "tools", "perturb", "restore", "update", "evaluate", "checkpoint")
+
+
+class PhaseTimer:
+    """Accumulates wall seconds per phase; `with timer("generate"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+    def snapshot(self) -> dict[str, float]:
+        return {phase: round(value, 4) for phase, value in sorted(self.seconds.items())}
+
+
+def peak_memory_bytes(device: torch.device) -> dict[str, int]:
+    """Peak resident host memory of this process and, on CUDA, peak allocated device memory."""
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    host = max_rss if sys.platform == "darwin" else max_rss * 1024  # Linux reports KiB, macOS bytes
+    peaks = {"host": int(host)}
+    if device.type == "cuda":
+        peaks["device"] = int(torch.cuda.max_memory_allocated(device))
+    return peaks
+
+
+class MetricsLog:
+    """Append-only metrics.jsonl, flushed per record; on resume, records past the checkpoint are dropped."""
+
+    def __init__(self, path: Path, *, keep_through_step: int | None = None) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        if keep_through_step is not None and path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a torn last line from a crash
+                if record.get("step", 0) <= keep_through_step:
+                    self.records.append(record)
+        elif path.exists():
+            path.unlink()
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        temporary.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
+        os.replace(temporary, self.path)
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+
+
+def plot_curves(records: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Mean/max training reward per step and held-out accuracy at each evaluation, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, reward_axis = plt.subplots(figsize=(7, 4), dpi=120)
+    steps = [r["step"] for r in records]
+    reward_axis.plot(steps, [r["reward_mean"] for r in records], label="reward (population mean)", color="tab:blue")
+    reward_axis.plot(steps, [r["reward_max"] for r in records], label="reward (best member)", color="tab:blue", alpha=0.35)
+    reward_axis.set_xlabel("step")
+    reward_axis.set_ylabel("training reward")
+    handles, labels = reward_axis.get_legend_handles_labels()
+    if evals:
+        accuracy_axis = reward_axis.twinx()
+        accuracy_axis.plot([e["step"] for e in evals], [100 * e["accuracy"] for e in evals], "o-", color="tab:orange", label="held-out accuracy (%)")
+        accuracy_axis.set_ylabel("held-out accuracy (%)")
+        more_handles, more_labels = accuracy_axis.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    reward_axis.legend(handles, labels, loc="lower right", fontsize=8)
+    reward_axis.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

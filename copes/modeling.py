@@ -1,0 +1,77 @@
+"""Loading a causal LM and its tokenizer through `from_pretrained`, with device and dtype fallback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from copes.config import EMBEDDED_MODEL, ConfigError
+
+EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model: str) -> str:
+    """'tiny' -> the embedded model; an existing folder must hold weights; anything else is a hub id."""
+    if model == EMBEDDED_MODEL:
+        return str(EMBEDDED_MODEL_DIR)
+    path = Path(model).expanduser()
+    looks_like_path = path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
+    if not looks_like_path:
+        return model
+    if not path.is_dir():
+        raise ConfigError(f"model path {model} does not exist (give a model folder or a hub id like Qwen/Qwen3.5-4B)")
+    if not any((path / name).exists() for name in WEIGHT_FILES):
+        raise ConfigError(f"model folder {model} has no weights (expected one of: {', '.join(WEIGHT_FILES)})")
+    return str(path)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {device!r} (use auto, cpu, cuda or cuda:N)") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device} asked for CUDA but no CUDA GPU is visible")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # bf16 halves memory and ES needs no gradients; on CPU fp32 is both faster and exact.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def load_model(
+    model: str, *, device: str = "auto", dtype: str = "auto"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
+    """Model in eval mode without gradients, and a left-padding tokenizer (batched generation needs it)."""
+    path = resolve_model_path(model)
+    resolved_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, resolved_device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except OSError as error:
+        raise ConfigError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lm.to(resolved_device).eval().requires_grad_(False)
+    return lm, tokenizer, resolved_device
+
+
+def read_preset(model: str) -> Path | None:
+    """The model's own recommended ES settings (`copes.yaml` in its folder), if it ships one."""
+    try:
+        path = Path(resolve_model_path(model))
+    except ConfigError:
+        return None
+    preset = path / "copes.yaml"
+    return preset if preset.is_file() else None

@@ -1,0 +1,18 @@
+"""Rewards: answer extraction, math correctness (math-verify), QA scores (EM/F1/Acc) and format terms."""
+
+from copes.rewards.extract import answer_span, extract_answer, last_boxed
+from copes.rewards.format import format_reward, tool_bonus
+from copes.rewards.math import MathVerifierPool, math_correct, math_correct_batch
+from copes.rewards.qa import qa_scores
+
+__all__ = [
+    "MathVerifierPool",
+    "answer_span",
+    "extract_answer",
+    "format_reward",
+    "last_boxed",
+    "math_correct",
+    "math_correct_batch",
+    "qa_scores",
+    "tool_bonus",
+]

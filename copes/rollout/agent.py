@@ -1,0 +1,284 @@
+"""The multi-turn agent loop: generate for every row at once, run the tool calls, continue only the rows that
+called a tool, until each row answers or runs out of turns, tokens or context.
+
+Per turn:
+1. Count each active row's context; a row with no room left ends here (truncated).
+2. Generate for the remaining rows in batches (order = row order), each batch inside `row_context(indices)`.
+3. A row that stopped on a tool call gets its calls parsed and run (per-tool budgets per row; a malformed,
+   unknown or over-budget call gets an error observation instead), the results are appended through the
+   chat template (or as `<result>` blocks in the tag format), and the row stays active.
+   A row that stopped on EOS or its token limit is finished.
+
+Everything is text: the context of a row is its prompt plus its completion so far, re-tokenized each turn.
+Nothing here raises on model output; limits end rows, they never end the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Sequence
+
+import numpy as np
+
+from copes.rollout.generate import Generation, generate_batch, prompt_token_counts
+from copes.rollout.templates import (
+    TOOL_FORMATS,
+    ParsedCall,
+    parse_tool_calls,
+    render_prompt,
+    resolve_tool_format,
+    tag_results_suffix,
+    tool_results_suffix,
+    tool_stop_strings,
+)
+from copes.tools import Tool
+
+# Tool budgets per row from the paper: math gets 3 searches + 5 Python runs, multi-hop QA 5 + 5.
+BUDGETS_BY_KIND = {"math": {"python": 5, "search": 3}, "qa": {"python": 5, "search": 5}}
+TRAJECTORY_ENDINGS = ("eos", "length", "context", "max_turns")
+
+RowContext = Callable[[list[int]], ContextManager[Any]]
+
+
+@dataclass
+class AgentConfig:
+    max_turns: int = field(default=8, metadata={"help": "model turns per row; each tool call costs one turn"})
+    max_new_tokens: int = field(default=1024, metadata={"help": "new tokens per turn"})
+    max_context_tokens: int = field(
+        default=131072, metadata={"help": "prompt + transcript token limit; a row that reaches it ends, truncated"}
+    )
+    budgets: dict[str, int] = field(
+        default_factory=lambda: dict(BUDGETS_BY_KIND["math"]),
+        metadata={"help": "calls allowed per tool per row; tools not listed are limited only by max_turns"},
+    )
+    greedy: bool = field(default=True, metadata={"help": "greedy decoding; False samples with temperature/top_p"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (greedy=False only)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (greedy=False only)"})
+    tool_format: str = field(
+        default="auto",
+        metadata={"help": "'qwen' (<tool_call> JSON via the chat template), 'tags' (<python>/<search>), 'auto' detects"},
+    )
+    batch_size: int | None = field(
+        default=None, metadata={"help": "rows per generate call (and per row_context); None: all active rows"}
+    )
+    tool_workers: int = field(default=8, metadata={"help": "threads running one turn's tool calls concurrently"})
+    template_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "extra chat-template variables, e.g. {enable_thinking: false}"}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_new_tokens", "max_context_tokens", "tool_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 or None, got {self.batch_size}")
+        if self.tool_format not in TOOL_FORMATS:
+            raise ValueError(f"tool_format must be one of {TOOL_FORMATS}, got {self.tool_format!r}")
+        if any(budget < 0 for budget in self.budgets.values()):
+            raise ValueError(f"budgets must be >= 0, got {self.budgets}")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @classmethod
+    def for_kind(cls, kind: str, **overrides: Any) -> AgentConfig:
+        """The paper's budgets for a task kind ("math" or "qa"), with any field overridden."""
+        if kind not in BUDGETS_BY_KIND:
+            raise ValueError(f"kind must be one of {sorted(BUDGETS_BY_KIND)}, got {kind!r}")
+        return cls(**{"budgets": dict(BUDGETS_BY_KIND[kind]), **overrides})
+
+
+@dataclass(frozen=True)
+class ToolCallRecord:
+    """`valid`: the call was well-formed, named a known tool and was within budget, so the tool ran.
+    Otherwise `observation` is the error message the model was shown."""
+
+    name: str | None
+    arguments: dict[str, Any]
+    valid: bool
+    observation: str
+
+
+@dataclass
+class Trajectory:
+    """One row's rollout. `prompt + completion` is the model's whole context; `completion` holds every turn
+    and every tool result as the model saw them, `final_text` only the last turn's generated text.
+
+    `finished_by`: "eos" (the model ended), "length" (a turn hit max_new_tokens), "context" (max_context_tokens
+    reached; `truncated` is True) or "max_turns" (still calling tools when the turns ran out).
+    """
+
+    prompt: str
+    completion: str = ""
+    final_text: str = ""
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    num_turns: int = 0
+    generated_tokens: int = 0
+    truncated: bool = False
+    finished_by: str | None = None  # None while the row is still active
+
+    @property
+    def used_tool(self) -> bool:
+        return any(call.valid for call in self.tool_calls)
+
+    @property
+    def context(self) -> str:
+        return self.prompt + self.completion
+
+
+def _call_tool(tool: Tool, arguments: dict[str, Any]) -> str:
+    try:
+        return tool.call(arguments)
+    except Exception as error:  # a failing tool must cost one observation, not the whole population's rollout
+        return f"Error: the {tool.name} tool failed: {type(error).__name__}: {error}"
+
+
+def _run_calls(
+    calls_by_row: list[list[ParsedCall]],
+    tools: dict[str, Tool],
+    config: AgentConfig,
+    calls_made: list[Counter[str]],
+) -> list[list[ToolCallRecord]]:
+    """Charge budgets in call order per row, then run every admitted call of the turn on the thread pool."""
+    records: list[list[ToolCallRecord | None]] = []
+    admitted: list[tuple[int, int, ParsedCall]] = []
+    for row, calls in enumerate(calls_by_row):
+        row_records: list[ToolCallRecord | None] = []
+        for call in calls:
+            budget = config.budgets.get(call.name) if call.valid else None
+            if not call.valid:
+                row_records.append(ToolCallRecord(call.name, call.arguments, False, f"Error: {call.error}"))
+            elif budget is not None and calls_made[row][call.name] >= budget:
+                message = f"Error: the {call.name} budget of {budget} calls is used up; continue without it."
+                row_records.append(ToolCallRecord(call.name, call.arguments, False, message))
+            else:
+                calls_made[row][call.name] += 1
+                admitted.append((row, len(row_records), call))
+                row_records.append(None)
+        records.append(row_records)
+    jobs = [(tools[call.name], call.arguments) for _, _, call in admitted]
+    if config.tool_workers > 1 and len(jobs) > 1:
+        with ThreadPoolExecutor(max_workers=min(config.tool_workers, len(jobs))) as pool:
+            observations = list(pool.map(lambda job: _call_tool(*job), jobs))
+    else:
+        observations = [_call_tool(*job) for job in jobs]
+    for (row, slot, call), observation in zip(admitted, observations):
+        records[row][slot] = ToolCallRecord(call.name, call.arguments, True, observation)
+    return records  # type: ignore[return-value]  (every None slot was filled above)
+
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """An independent, reproducible seed for each (seed, keys...) combination, e.g. one per (turn, batch)."""
+    return int(np.random.SeedSequence([seed, *keys]).generate_state(1)[0])
+
+
+def _initial_prompts(
+    tokenizer: Any, user_prompts: Sequence[str], tools: Sequence[Tool], fmt: str | None, system_prompt: str | None, chat: bool, config: AgentConfig
+) -> list[str]:
+    if not chat:
+        return list(user_prompts)
+    system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    return [
+        render_prompt(
+            tokenizer, [*system, {"role": "user", "content": text}], tools, tool_format=fmt or "auto", template_kwargs=config.template_kwargs
+        )
+        for text in user_prompts
+    ]
+
+
+def run_agent(
+    model: Any,
+    tokenizer: Any,
+    user_prompts: list[str],
+    *,
+    tools: Sequence[Tool] = (),
+    config: AgentConfig,
+    system_prompt: str | None = None,
+    chat: bool = True,
+    row_context: RowContext | None = None,
+    seed: int | None = None,
+) -> list[Trajectory]:
+    """Roll out every user prompt, one trajectory per prompt in the same order.
+
+    `chat=False` feeds the raw prompt text for a single turn without tools (the synthetic task).
+    `row_context(indices)` wraps every generate call; `indices` are the positions in `user_prompts` of that
+    batch's rows, in batch order.
+    """
+    if not chat and (tools or system_prompt is not None):
+        raise ValueError("chat=False runs raw prompts for a single turn: pass no tools and no system_prompt")
+    if seed is not None and seed < 0:
+        raise ValueError(f"seed must be >= 0 or None, got {seed}")
+    tools_by_name = {tool.name: tool for tool in tools}
+    if len(tools_by_name) != len(tools):
+        raise ValueError(f"tool names must be unique, got {[tool.name for tool in tools]}")
+    fmt = resolve_tool_format(tokenizer, config.tool_format, config.template_kwargs) if tools else None
+    stop_strings = tool_stop_strings(fmt, tools) if fmt else ()
+    trajectories = [
+        Trajectory(prompt) for prompt in _initial_prompts(tokenizer, user_prompts, tools, fmt, system_prompt, chat, config)
+    ]
+    calls_made: list[Counter[str]] = [Counter() for _ in trajectories]
+    row_context = row_context or (lambda indices: contextlib.nullcontext())
+    max_turns = config.max_turns if chat else 1
+
+    for turn in range(max_turns):
+        active = [index for index, trajectory in enumerate(trajectories) if trajectory.finished_by is None]
+        if not active:
+            break
+        counts = prompt_token_counts(tokenizer, [trajectories[index].context for index in active])
+        limits: dict[int, int] = {}
+        for index, count in zip(active, counts):
+            room = config.max_context_tokens - count
+            if room < 1:
+                trajectories[index].finished_by, trajectories[index].truncated = "context", True
+            else:
+                limits[index] = min(config.max_new_tokens, room)
+        ready = list(limits)
+        size = config.batch_size or max(len(ready), 1)
+        generations: dict[int, Generation] = {}
+        for start in range(0, len(ready), size):
+            batch = ready[start : start + size]
+            with row_context(batch):
+                outputs = generate_batch(
+                    model,
+                    tokenizer,
+                    [trajectories[index].context for index in batch],
+                    max_new_tokens=[limits[index] for index in batch],
+                    greedy=config.greedy,
+                    temperature=config.temperature,
+                    top_p=config.top_p,
+                    stop_strings=stop_strings,
+                    seed=None if seed is None else derive_seed(seed, turn, batch[0]),
+                )
+            generations.update(zip(batch, outputs))
+
+        calling = [index for index in ready if generations[index].finished_by == "stop"]
+        for index in ready:
+            trajectory, generation = trajectories[index], generations[index]
+            trajectory.num_turns += 1
+            trajectory.generated_tokens += generation.num_tokens
+            trajectory.final_text = generation.text
+            trajectory.completion += generation.text
+            if generation.finished_by == "eos":
+                trajectory.finished_by = "eos"
+            elif generation.finished_by == "length":
+                cut_by_context = limits[index] < config.max_new_tokens
+                trajectory.finished_by = "context" if cut_by_context else "length"
+                trajectory.truncated = cut_by_context
+        parsed = [parse_tool_calls(generations[index].text, fmt, tools) for index in calling]
+        records = _run_calls(parsed, tools_by_name, config, [calls_made[index] for index in calling])
+        for index, row_records in zip(calling, records):
+            trajectory = trajectories[index]
+            trajectory.tool_calls += row_records
+            observations = [record.observation for record in row_records]
+            trajectory.completion += (
+                tool_results_suffix(tokenizer, observations, config.template_kwargs) if fmt == "qwen" else tag_results_suffix(observations)
+            )
+
+    for trajectory in trajectories:
+        if trajectory.finished_by is None:
+            trajectory.finished_by = "max_turns"
+    return trajectories

@@ -1,0 +1,275 @@
+"""Chat templates and tool-call formats for the agent loop.
+
+Two ways for a model to call a tool:
+
+- "qwen": the tokenizer's own chat template renders the tools (Qwen3 / Qwen3.5 style). The model writes
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen3) or
+  `<tool_call><function=name><parameter=key>value</parameter></function></tool_call>` (Qwen3.5); results go
+  back through the template as role "tool" messages.
+- "tags": for templates that ignore tools, or no template at all. The tools are described in the system
+  prompt; the model writes `<python>code</python>` or `<search>query</search>` (the tag is the tool's name,
+  the body its main argument) and the result is appended in the same turn as `<result>...</result>`.
+
+"auto" picks "qwen" when the template demonstrably renders a tools block and tool responses, else "tags".
+Parsing never raises: a malformed call becomes a `ParsedCall` with an error the model gets to read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from jinja2 import TemplateError
+
+from copes.tools import Tool, tool_schema
+
+TOOL_FORMATS = ("auto", "qwen", "tags")
+QWEN_CALL_OPEN, QWEN_CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
+
+# Marker strings used to probe a chat template; they never reach a model.
+_PROBE_TOOL = "copes_probe_tool"
+_ASSISTANT_MARKER = "COPES_ASSISTANT_MARKER"
+_OBSERVATION_MARKER = "COPES_OBSERVATION_MARKER"
+
+Message = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One tool call found in model output; `error` is None exactly when it is well-formed and known."""
+
+    name: str | None
+    arguments: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def valid(self) -> bool:
+        return self.error is None
+
+
+def _render(tokenizer: Any, messages: Sequence[Message], template_kwargs: Mapping[str, Any], **options: Any) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, **options, **template_kwargs)
+
+
+def template_supports_tools(tokenizer: Any, template_kwargs: Mapping[str, Any] | None = None) -> bool:
+    """True when the chat template renders a tools block with the `<tool_call>` convention and tool results."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return False
+    probe = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe", "parameters": {"type": "object", "properties": {}}}}
+    kwargs = dict(template_kwargs or {})
+    try:
+        with_tools = _render(tokenizer, [{"role": "user", "content": "q"}], kwargs, tools=[probe], add_generation_prompt=True)
+        tool_results_suffix(tokenizer, [_OBSERVATION_MARKER], kwargs)
+    except (TemplateError, ValueError, TypeError):
+        # Templates reject what they do not know in many ways (raise_exception, missing keys, role checks).
+        return False
+    return _PROBE_TOOL in with_tools and QWEN_CALL_OPEN in with_tools
+
+
+def resolve_tool_format(tokenizer: Any, tool_format: str = "auto", template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """Turn "auto" into "qwen" or "tags"; reject "qwen" for a template that cannot render tools."""
+    if tool_format not in TOOL_FORMATS:
+        raise ValueError(f"tool_format must be one of {TOOL_FORMATS}, got {tool_format!r}")
+    if tool_format == "tags":
+        return "tags"
+    supported = template_supports_tools(tokenizer, template_kwargs)
+    if tool_format == "qwen" and not supported:
+        raise ValueError("tool_format='qwen' needs a chat template that renders tools and tool results; use 'tags' or 'auto'")
+    return "qwen" if supported else "tags"
+
+
+def _main_parameter(tool: Tool) -> str | None:
+    """The argument a tag body fills: the first required parameter, else the first declared one."""
+    required = tool.parameters.get("required") or []
+    if required:
+        return required[0]
+    return next(iter(tool.parameters.get("properties") or {}), None)
+
+
+def tag_format_instructions(tools: Sequence[Tool]) -> str:
+    lines = [
+        "You can use the following tools. To call one, write its input between its tags; the result is returned "
+        f"between {RESULT_OPEN} and {RESULT_CLOSE}."
+    ]
+    for tool in tools:
+        argument = _main_parameter(tool) or "input"
+        lines.append(f"- <{tool.name}>{argument}</{tool.name}>: {tool.description}")
+    return "\n".join(lines)
+
+
+def _with_tag_instructions(messages: Sequence[Message], tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    instructions = tag_format_instructions(tools)
+    messages = [dict(message) for message in messages]
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{messages[0]['content']}\n\n{instructions}"
+        return messages
+    return [{"role": "system", "content": instructions}, *messages]
+
+
+def _render_plain(messages: Sequence[Message]) -> str:
+    """Role-labelled text for tokenizers without a chat template."""
+    turns = [message["content"] if message["role"] == "system" else f"{message['role'].capitalize()}: {message['content']}" for message in messages]
+    return "\n\n".join([*turns, "Assistant:"])
+
+
+def render_prompt(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    tools: Sequence[Tool] | None = None,
+    *,
+    tool_format: str = "auto",
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The prompt text for `messages` ending in an open assistant turn, with `tools` offered in the chosen format.
+
+    `template_kwargs` reach the chat template (e.g. `{"enable_thinking": False}` for Qwen3).
+    """
+    if not messages:
+        raise ValueError("messages must hold at least one message")
+    tools = list(tools or ())
+    kwargs = dict(template_kwargs or {})
+    fmt = resolve_tool_format(tokenizer, tool_format, kwargs) if tools else None
+    if fmt == "tags":
+        messages = _with_tag_instructions(messages, tools)
+    if getattr(tokenizer, "chat_template", None) is None:
+        return _render_plain(messages)
+    schemas = [tool_schema(tool) for tool in tools] if fmt == "qwen" else None
+    return _render(tokenizer, messages, kwargs, tools=schemas, add_generation_prompt=True)
+
+
+def tool_stop_strings(fmt: str, tools: Sequence[Tool]) -> tuple[str, ...]:
+    """Where a turn that calls a tool must stop so the call can run before the model continues."""
+    if fmt == "qwen":
+        return (QWEN_CALL_CLOSE,)
+    if fmt == "tags":
+        return tuple(f"</{tool.name}>" for tool in tools)
+    raise ValueError(f"fmt must be 'qwen' or 'tags', got {fmt!r}")
+
+
+def tool_results_suffix(tokenizer: Any, observations: Sequence[str], template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """Text that closes an assistant turn which stopped after a tool call, adds the results as role "tool"
+    messages and opens the next assistant turn, exactly as the chat template renders them.
+
+    Rendered by difference: a conversation whose assistant turn is a marker, followed by the tool messages;
+    everything after the marker is the suffix. This keeps each template's own glue (end-of-turn token, the
+    user-turn wrapping of tool responses, a thinking preamble in the generation prompt).
+    """
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": _ASSISTANT_MARKER},
+        *({"role": "tool", "content": observation} for observation in observations),
+    ]
+    rendered = _render(tokenizer, messages, template_kwargs or {}, add_generation_prompt=True)
+    if rendered.count(_ASSISTANT_MARKER) != 1:
+        raise ValueError("the chat template does not render assistant content verbatim; use tool_format='tags'")
+    suffix = rendered.split(_ASSISTANT_MARKER, 1)[1]
+    if any(observation not in suffix for observation in observations):
+        raise ValueError("the chat template drops role 'tool' messages; use tool_format='tags'")
+    return suffix
+
+
+def tag_results_suffix(observations: Sequence[str]) -> str:
+    return "".join(f"\n{RESULT_OPEN}\n{observation}\n{RESULT_CLOSE}\n" for observation in observations)
+
+
+def _tag_bodies(text: str, open_tag: str, close_tag: str) -> list[tuple[int, str | None]]:
+    """(position, body) for every closing tag, in order; body None when no opening tag precedes it.
+
+    An opening tag that is never closed is not a call (the turn was cut before the call was complete).
+    """
+    bodies: list[tuple[int, str | None]] = []
+    position = 0
+    while (end := text.find(close_tag, position)) != -1:
+        start = text.rfind(open_tag, position, end)
+        bodies.append((end, None if start == -1 else text[start + len(open_tag) : end]))
+        position = end + len(close_tag)
+    return bodies
+
+
+def _coerce(value: str, schema: Mapping[str, Any]) -> Any:
+    """A Qwen3.5 `<parameter>` value is untyped text; the tool's JSON schema says what it means."""
+    if schema.get("type") in ("integer", "number", "boolean", "object", "array", "null"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _parse_qwen_body(body: str, tools: Mapping[str, Tool]) -> ParsedCall:
+    body = body.strip()
+    if body.startswith("<function="):
+        match = _XML_FUNCTION.match(body)
+        name = match.group(1).strip() if match else None
+        if name not in tools:
+            return _unknown_tool(name, tools)
+        properties = tools[name].parameters.get("properties") or {}
+        arguments = {
+            key.strip(): _coerce(value.strip("\n"), properties.get(key.strip(), {}))
+            for key, value in _XML_PARAMETER.findall(match.group(2))
+        }
+        return _check_required(name, arguments, tools[name])
+    try:
+        payload = json.loads(body)
+    except json.JSONDecodeError as error:
+        return ParsedCall(None, error=f"the tool call is not valid JSON ({error.msg} at position {error.pos})")
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return ParsedCall(None, error='the tool call must be a JSON object {"name": ..., "arguments": {...}}')
+    name = payload["name"]
+    if name not in tools:
+        return _unknown_tool(name, tools)
+    if "arguments" not in payload:
+        return ParsedCall(name, error=f"the call to {name!r} has no 'arguments' object")
+    arguments = payload["arguments"]
+    if isinstance(arguments, str):  # some models emit the arguments object JSON-encoded a second time
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return ParsedCall(name, error=f"the 'arguments' of {name!r} must be a JSON object")
+    return _check_required(name, arguments, tools[name])
+
+
+def _unknown_tool(name: str | None, tools: Mapping[str, Tool]) -> ParsedCall:
+    return ParsedCall(name, error=f"unknown tool {name!r}; available: {', '.join(tools) or 'none'}")
+
+
+def _check_required(name: str, arguments: dict[str, Any], tool: Tool) -> ParsedCall:
+    missing = [key for key in tool.parameters.get("required") or [] if key not in arguments]
+    if missing:
+        return ParsedCall(name, arguments, error=f"the call to {name!r} is missing required argument(s): {', '.join(missing)}")
+    return ParsedCall(name, arguments)
+
+
+def parse_tool_calls(text: str, fmt: str, tools: Sequence[Tool]) -> list[ParsedCall]:
+    """Every complete tool call in `text`, in order; malformed or unknown calls come back invalid, never raised."""
+    by_name = {tool.name: tool for tool in tools}
+    if fmt == "qwen":
+        return [
+            ParsedCall(None, error=f"found {QWEN_CALL_CLOSE} without a matching {QWEN_CALL_OPEN}")
+            if body is None
+            else _parse_qwen_body(body, by_name)
+            for _, body in _tag_bodies(text, QWEN_CALL_OPEN, QWEN_CALL_CLOSE)
+        ]
+    if fmt != "tags":
+        raise ValueError(f"fmt must be 'qwen' or 'tags', got {fmt!r}")
+    found: list[tuple[int, ParsedCall]] = []
+    for name, tool in by_name.items():
+        for position, body in _tag_bodies(text, f"<{name}>", f"</{name}>"):
+            if body is None:
+                call = ParsedCall(name, error=f"found </{name}> without a matching <{name}>")
+            elif not body.strip():
+                call = ParsedCall(name, error=f"the <{name}> block is empty")
+            else:
+                parameter = _main_parameter(tool)
+                call = _check_required(name, {parameter: body.strip("\n")} if parameter else {}, tool)
+            found.append((position, call))
+    return [call for _, call in sorted(found, key=lambda item: item[0])]

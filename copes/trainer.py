@@ -1,0 +1,162 @@
+"""The step loop: prompt batch -> evaluate every member (perturb / roll out / restore, or one batched EGGROLL
+forward) -> fitness -> one update; held-out evaluation, checkpoints, metrics. The details live in the modules it
+calls; this file should read on one screen.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from copes import checkpoint as ckpt
+from copes.components import build_strategy, build_tools
+from copes.config import ConfigError, TrainConfig
+from copes.evaluation import evaluate
+from copes.metrics import MetricsLog, PhaseTimer, peak_memory_bytes, plot_curves
+from copes.modeling import load_model
+from copes.rollout import AgentConfig
+from copes.scoring import rollout_rewards
+from copes.tasks import Example, get_task
+
+# Options a checkpoint must share with the run that resumes it, or the continuation would not be that run.
+RESUME_KEYS = ("model", "task", "algorithm", "population", "subspaces", "sigma", "lr", "rank", "prompt_batch",
+               "fitness", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens")
+
+
+def batch_indices(step: int, batch: int, dataset_size: int, seed: int) -> list[int]:
+    """Questions of `step`: a fresh permutation per epoch, a pure function of (seed, step) so resume needs no state."""
+    positions = range(step * batch, (step + 1) * batch)
+    permutations: dict[int, np.ndarray] = {}
+    picked = []
+    for position in positions:
+        epoch = position // dataset_size
+        if epoch not in permutations:
+            permutations[epoch] = np.random.default_rng([seed, epoch]).permutation(dataset_size)
+        picked.append(int(permutations[epoch][position % dataset_size]))
+    return picked
+
+
+@dataclass
+class Trainer:
+    cfg: TrainConfig
+    progress: bool = True
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+
+    def __post_init__(self) -> None:
+        cfg = self.cfg
+        self.out = Path(cfg.output_dir)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            probe = self.out / ".write_test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as error:
+            raise ConfigError(f"output dir {self.out} is not writable: {error.strerror or error}") from None
+        self.task = get_task(cfg.task, data_dir=cfg.data_dir)
+        self.train_set = self.task.examples("train")
+        if not self.train_set:
+            raise ConfigError(f"task {cfg.task} has no training examples")
+        self.eval_set = self._eval_examples()
+        self.model, self.tokenizer, self.device = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+        self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer)
+        limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens, greedy=True)
+        self.agent = AgentConfig.for_kind(self.task.kind, **limits) if self.task.kind in ("math", "qa") else AgentConfig(**limits)
+        self.strategy = build_strategy(cfg, self.model)
+        self.start_step, self.evals, self.eval_before = 0, [], None
+
+    def _eval_examples(self) -> list[Example]:
+        if self.cfg.eval_size == 0:
+            return []
+        for split in dict.fromkeys((self.cfg.eval_split, "validation", "test")):
+            try:
+                examples = self.task.examples(split, limit=self.cfg.eval_size)
+            except ValueError:
+                continue
+            if examples:
+                return examples
+        raise ConfigError(f"task {self.cfg.task} has no held-out split to evaluate on")
+
+    # ---- the pieces the loop calls -------------------------------------------------------------------------
+    def rewards_for(self, model: Any, examples: list[Example], row_members: Any = None) -> list[float] | list[list[float]]:
+        return rollout_rewards(model, self.tokenizer, self.task, examples, tools=self.tools, agent=self.agent,
+                               timer=self.timer, population=self.cfg.population if row_members else None,
+                               row_members=row_members)
+
+    def held_out(self, step: int) -> dict[str, Any]:
+        if not self.eval_set:
+            return {"step": step, "accuracy": None, "reward": None}
+        with self.timer("evaluate"):
+            result = evaluate(self.model, self.tokenizer, self.task, self.eval_set, tools=self.tools,
+                              agent_config=self.agent, progress=False)
+        record = {"step": step, "accuracy": result.accuracy, "reward": result.mean_reward}
+        self.evals.append(record)
+        return record
+
+    def save(self, step: int, metrics: MetricsLog) -> None:
+        with self.timer("checkpoint"):
+            state = {"step": step, "config": self.cfg.to_dict(), "eval_before": self.eval_before, "evals": self.evals}
+            ckpt.save_checkpoint(self.out / "checkpoints", step, model=self.model, tokenizer=self.tokenizer,
+                                 es_state=self.strategy.state_dict(), trainer_state=state)
+
+    def resume(self, path: str) -> None:
+        folder = ckpt.find_checkpoint(path)
+        es_state, state = ckpt.load_checkpoint(folder)
+        mine, theirs = self.cfg.to_dict(), state["config"]
+        for key in RESUME_KEYS:
+            if mine[key] != theirs.get(key):
+                raise ConfigError(f"--resume {path} belongs to a different run: {key}={theirs.get(key)!r} there, {mine[key]!r} here")
+        weights = type(self.model).from_pretrained(folder, dtype=self.model.dtype).state_dict()
+        self.model.load_state_dict(weights, strict=False)
+        self.strategy.load_state_dict(es_state)
+        self.start_step, self.evals, self.eval_before = state["step"], state["evals"], state["eval_before"]
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        cfg, started = self.cfg, time.perf_counter()
+        metrics = MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.start_step if self.start_step else None)
+        if self.eval_before is None:
+            self.eval_before = self.held_out(step=0)
+        stopped_by, step = "steps", self.start_step
+        bar = tqdm(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}", disable=not self.progress,
+                   initial=self.start_step, total=cfg.steps)
+        for step in bar:
+            examples = [self.train_set[i] for i in batch_indices(step, cfg.prompt_batch, len(self.train_set), cfg.seed)]
+            phase_before = dict(self.timer.seconds)
+            stats = self.strategy.step(lambda model, rows=None: self.rewards_for(model, examples, rows))
+            for phase in ("perturb", "restore", "update"):
+                self.timer.add(phase, stats.seconds.get(phase, 0.0))
+            record = {"step": step + 1, **stats.to_record(),
+                      "time": {k: round(v - phase_before.get(k, 0.0), 4) for k, v in self.timer.seconds.items()}}
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                record["eval"] = self.held_out(step + 1)
+            metrics.append(record)
+            bar.set_postfix(reward=f"{stats.reward_mean:.3f}", best=f"{stats.reward_max:.3f}")
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                self.save(step + 1, metrics)
+            if cfg.budget_hours and time.perf_counter() - started > cfg.budget_hours * 3600:
+                stopped_by = "budget"
+                break
+        completed = step + 1 if cfg.steps > self.start_step else self.start_step
+        eval_after = self.held_out(step=completed)
+        self.save(completed, metrics)
+        return self.finish(metrics, eval_after, completed, stopped_by, time.perf_counter() - started)
+
+    def finish(self, metrics: MetricsLog, eval_after: dict, steps: int, stopped_by: str, wall: float) -> dict[str, Any]:
+        peaks = peak_memory_bytes(self.device)
+        summary = {
+            "eval_before": self.eval_before, "eval_after": eval_after, "steps": steps, "stopped_by": stopped_by,
+            "wall_seconds": round(wall, 2), "peak_memory_bytes": peaks.get("device", peaks["host"]),
+            "peak_host_memory_bytes": peaks["host"], "phase_seconds": self.timer.snapshot(),
+            "gpu_hours": round(wall / 3600 * (self.device.type == "cuda"), 4), "config": self.cfg.to_dict(),
+        }
+        ckpt.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
+        plot_curves(metrics.records, self.evals, self.out / "curve.png",
+                    f"{self.cfg.algorithm} on {self.cfg.task} ({Path(self.cfg.model).name})")
+        return summary
