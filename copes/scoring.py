@@ -18,10 +18,12 @@ from copes.tasks import Example, Task
 
 def score_trajectories(task: Task, examples: Sequence[Example], trajectories: Sequence[Trajectory]) -> list[float]:
     """One reward per question; the answer is read from the last assistant turn."""
-    return [
-        task.score(trajectory.final_text, example, used_tool=trajectory.used_tool).reward
-        for trajectory, example in zip(trajectories, examples)
-    ]
+    texts = [trajectory.final_text for trajectory in trajectories]
+    used_tools = [trajectory.used_tool for trajectory in trajectories]
+    score_batch = getattr(task, "score_batch", None)  # math tasks verify a whole batch on all workers at once
+    if score_batch is not None:
+        return [score.reward for score in score_batch(texts, list(examples), used_tools)]
+    return [task.score(text, example, used_tool=used).reward for text, example, used in zip(texts, examples, used_tools)]
 
 
 def rollout_rewards(

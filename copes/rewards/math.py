@@ -26,9 +26,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
 
 DEFAULT_TIMEOUT_S = 10.0
 # math-verify's own alarms (whole seconds) end most slow checks gracefully, well before the outer timeout,
@@ -90,14 +90,18 @@ def _serve() -> None:
 
     # math-verify logs every inner timeout as a warning; the False result already says it.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    print(_READY, flush=True)
+    # Replies go to a private copy of stdout; fd 1 itself now points at stderr, so a stray print from any
+    # library cannot corrupt the reply stream.
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    replies.write(_READY + "\n")
     for line in sys.stdin:
         prediction, gold = json.loads(line)
         try:
             correct = _check(prediction, gold)
-        except (Exception, MemoryError):  # a malformed answer must score False, never kill the worker loop
+        except Exception:  # noqa: BLE001  (a malformed answer, MemoryError included, scores False)
             correct = False
-        print("1" if correct else "0", flush=True)
+        replies.write("1\n" if correct else "0\n")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import re
 import string
 import unicodedata
 from collections import Counter
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 NORMALIZATIONS = ("official", "paper")
 QA_METRICS = ("em", "f1", "acc")

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from copes.rewards import extract_answer, format_reward, last_boxed, math_correct_batch, tool_bonus
 from copes.tasks.base import Example, Score, register

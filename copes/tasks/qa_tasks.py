@@ -13,8 +13,9 @@ built from any of them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from copes.rewards import extract_answer, format_reward, qa_scores, tool_bonus
 from copes.rewards.qa import NORMALIZATIONS, QA_METRICS
@@ -137,7 +138,12 @@ def _qa_example(row: dict[str, Any], *, name: str, split: str, index: int, golds
 
 
 def _single_answer_split(
-    name: str, data_dir: Path | None, split: str, local_files: list[str], hub: HubSplit | None, required: tuple[str, ...]
+    name: str,
+    data_dir: Path | None,
+    split: str,
+    local_files: list[str],
+    hub: HubSplit | None,
+    required: tuple[str, ...],
 ) -> list[Example]:
     rows = load_split_rows(data_dir, local_files, hub, required)
     return [

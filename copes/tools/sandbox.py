@@ -12,12 +12,13 @@ machine lets us enforce, and reports which ones were in force (`SandboxResult.is
 Why a bootstrap script and not `preexec_fn`: preexec_fn is unsafe when the caller runs threads (the agent loop
 calls tools from threads), and namespaces must be entered while still privileged, whereas `Popen(user=...)`
 drops privileges before preexec_fn runs.
-Why a pid namespace: when its pid 1 dies the kernel kills every process in it, so killing the process group on
-timeout also ends children that called setsid() to leave the group (fork bombs, daemons).
+Why a pid namespace: when its pid 1 dies the kernel kills every process in it, so ending the run (SIGKILL to that
+pid 1) also ends children that called setsid() to leave the process group (fork bombs, daemons).
 Why a fresh uid per run rather than `nobody`: RLIMIT_NPROC counts processes per real uid, so a uid of its own
 makes `max_processes` bound this run alone, and concurrent runs cannot signal or read one another.
-A non-root caller cannot switch uid; it gets the namespaces through a user namespace when the kernel allows
-unprivileged ones, and RLIMIT_NPROC is then shared with the caller's own processes (said in `isolation`).
+A caller that cannot switch uid (not root, or root of a rootless container) gets the namespaces through a user
+namespace when the kernel allows one, mapped to a non-zero uid so the exec drops every capability; RLIMIT_NPROC
+is then shared with the caller's own processes (said in `isolation`). The code always runs with no_new_privs.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
+PR_SET_NO_NEW_PRIVS = 38
 # Per-mount flags a read-only remount must carry over: dropping them is refused inside a user namespace
 # (they are "locked") and would silently loosen nosuid/nodev/noexec elsewhere.
 _PRESERVED_MOUNT_FLAGS = {
@@ -68,10 +70,14 @@ _PROC_MOUNT_FLAGS = 0x2 | 0x4 | 0x8  # nosuid, nodev, noexec
 
 # Per-run uids come from a range no distribution allocates, so a collision with a real account is implausible.
 _SANDBOX_UIDS = range(1_000_000_000, 2_000_000_000)
+# The id a root caller that cannot switch uid (rootless container) is mapped to in its user namespace.
+_NOBODY = 65534
 _READ_CHUNK_BYTES = 64 << 10
 # Exit codes of the bootstrap itself, distinct from anything the user's interpreter returns for normal errors.
 _EXIT_SETUP_FAILED = 125
 _EXIT_EXEC_FAILED = 127
+# How long the bootstrap may take to tear the run down after SIGTERM before its whole group gets SIGKILL.
+_STOP_GRACE_S = 5.0
 _gaps_already_logged: set[tuple[str, ...]] = set()
 
 
@@ -139,9 +145,8 @@ class PythonSandbox:
         try:
             # surrogatepass keeps odd model output byte-faithful; the interpreter then reports it as a SyntaxError.
             (workdir / "main.py").write_bytes(code.encode("utf-8", errors="surrogatepass"))
-            sandbox_uid = None
-            if os.geteuid() == 0:
-                sandbox_uid = secrets.choice(_SANDBOX_UIDS)
+            sandbox_uid = _pick_sandbox_uid()
+            if sandbox_uid is not None:
                 os.chown(workdir, sandbox_uid, sandbox_uid)
                 os.chown(workdir / "main.py", sandbox_uid, sandbox_uid)
             result = self._execute(workdir, sandbox_uid)
@@ -180,11 +185,12 @@ class PythonSandbox:
             try:
                 stdout, stderr, timed_out, truncated = self._collect_output(process)
             finally:
-                _kill_group(process)
-                process.wait()
+                _stop(process)
                 process.stdout.close()
                 process.stderr.close()
             report = _parse_report(report_pipe.read())
+        if not report.get("isolation", {}).get("pid_namespace", "no").startswith("yes"):
+            _kill_group(process)  # without a pid namespace, children may still run in the bootstrap's group
         exit_status = report.get("exit_status", process.returncode)
         return SandboxResult(
             stdout=stdout.decode("utf-8", errors="replace"),
@@ -269,8 +275,30 @@ class PythonSandbox:
         }
 
 
+def _pick_sandbox_uid() -> int | None:
+    """A fresh uid for this run, or None when we cannot switch to one: not root, or root of a user namespace
+    (rootless container) whose uid map does not cover the range."""
+    if os.geteuid() != 0:
+        return None
+    for line in Path("/proc/self/uid_map").read_text().splitlines():
+        inside, _outside, count = map(int, line.split())
+        if inside <= _SANDBOX_UIDS.start and inside + count >= _SANDBOX_UIDS.stop:
+            return secrets.choice(_SANDBOX_UIDS)
+    return None
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End the run and return once every process of it is gone (see `_bootstrap` for how SIGTERM is handled)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _kill_group(process)
+    process.wait()
+
+
 def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the bootstrap's process group; with a pid namespace this ends every process of the run."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -347,16 +375,18 @@ def _mount(
     _libc_call(libc, "mount", encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data))
 
 
-def _enter_user_namespace(libc: ctypes.CDLL) -> str | None:
-    """Become root of a new user namespace (the caller's uid mapped to 0) so the other namespaces are allowed."""
-    uid, gid = os.getuid(), os.getgid()
+def _enter_user_namespace(libc: ctypes.CDLL, inside_id: int) -> str | None:
+    """Enter a new user namespace, where we hold the capabilities the other namespaces need, with our uid and gid
+    mapped to `inside_id`. That id is not 0 on purpose: exec of a non-root uid clears every capability, so the
+    code cannot undo the read-only mounts. Returns None on success or the reason it was refused."""
+    uid, gid = os.geteuid(), os.getegid()
     refused = _unshare(libc, CLONE_NEWUSER)
     if refused:
         return refused
     try:
         Path("/proc/self/setgroups").write_text("deny")
-        Path("/proc/self/uid_map").write_text(f"0 {uid} 1")
-        Path("/proc/self/gid_map").write_text(f"0 {gid} 1")
+        Path("/proc/self/uid_map").write_text(f"{inside_id} {uid} 1")
+        Path("/proc/self/gid_map").write_text(f"{inside_id} {gid} 1")
     except OSError as error:
         return f"id maps refused: {error.strerror}"
     return None
@@ -450,19 +480,23 @@ def _set_rlimits(limits: dict[str, int]) -> None:
     resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
 
 
-def _exec_user_code(config: dict) -> NoReturn:
+def _exec_user_code(config: dict, libc: ctypes.CDLL) -> NoReturn:
     """In the user child: rlimits, give up root, exec the interpreter on main.py. Fails closed."""
     report_fd, limits, uid = config["report_fd"], config["rlimits"], config["uid"]
     try:
         _set_rlimits(limits)
+        # no_new_privs: set-uid binaries (su, mount...) and file capabilities no longer grant anything.
+        _libc_call(libc, "prctl", ctypes.c_int(PR_SET_NO_NEW_PRIVS), ctypes.c_ulong(1), *[ctypes.c_ulong(0)] * 3)
         if uid is not None:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-            user = f"yes: per-run uid {uid}, gid {uid}, no supplementary groups"
+            user = f"yes: per-run uid {uid}, gid {uid}, no supplementary groups, no_new_privs"
             process_limit = f"yes: RLIMIT_NPROC={limits['processes']} for a uid of its own"
         else:
-            user = f"no: the caller is unprivileged (uid {config['caller_uid']}) and the code runs as that uid"
+            user = (
+                f"no: cannot switch uid; the code runs as the caller's uid {config['caller_uid']}, without capabilities"
+            )
             process_limit = (
                 f"partial: RLIMIT_NPROC={limits['processes']} counts every process of uid {config['caller_uid']}, "
                 "the caller's included"
@@ -474,7 +508,7 @@ def _exec_user_code(config: dict) -> NoReturn:
         _write_report(report_fd, {"isolation": {"user": user, "process_limit": process_limit, "rlimits": rlimits}})
         os.set_inheritable(report_fd, False)  # the code must not be able to forge the report
         os.chdir(config["workdir"])
-    except BaseException:
+    except BaseException:  # a forked child must end here, with a code the caller can tell apart
         traceback.print_exc()
         os._exit(_EXIT_SETUP_FAILED)
     python = config["python"]
@@ -503,13 +537,13 @@ def _run_init(
         _write_report(report_fd, {"isolation": isolation})
         user_pid = os.fork()
         if user_pid == 0:
-            _exec_user_code(config)
+            _exec_user_code(config, libc)
         while True:
             pid, status = os.waitpid(-1, 0)
             if pid == user_pid:
                 break
         _write_report(report_fd, {"exit_status": os.waitstatus_to_exitcode(status)})
-    except BaseException:
+    except BaseException:  # a forked child must end here, with a code the caller can tell apart
         traceback.print_exc()
         os._exit(_EXIT_SETUP_FAILED)
     os._exit(0)
@@ -518,11 +552,12 @@ def _run_init(
 def _bootstrap(config: dict) -> NoReturn:
     libc = ctypes.CDLL(None, use_errno=True)
     isolation: dict[str, str] = {}
-    config["caller_uid"] = os.getuid()
-    if os.geteuid() != 0:
-        refused = _enter_user_namespace(libc)
+    config["caller_uid"] = os.geteuid()
+    if config["uid"] is None:
+        inside_id = os.geteuid() or _NOBODY
+        refused = _enter_user_namespace(libc, inside_id)
         isolation["user_namespace"] = (
-            "yes: caller mapped to root of a user namespace" if refused is None else f"no: {refused}"
+            f"yes: caller mapped to uid {inside_id} of a user namespace" if refused is None else f"no: {refused}"
         )
     refused = _unshare(libc, CLONE_NEWNET)
     isolation["network"] = (
@@ -538,8 +573,21 @@ def _bootstrap(config: dict) -> NoReturn:
     init_pid = os.fork()
     if init_pid == 0:
         _run_init(config, libc, isolation, mounts_refused, pid_namespace=pid_refused is None)
+
+    def end_the_run(_signum: int, _frame: object) -> None:
+        if pid_refused is None:
+            # The kernel kills every process of a pid namespace whose pid 1 dies, and that pid 1 is only reaped
+            # once they are all gone: waiting for it below means the caller never sees a half-dead run.
+            os.kill(init_pid, signal.SIGKILL)
+        else:
+            os.killpg(0, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, end_the_run)
     _, status = os.waitpid(init_pid, 0)
-    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    if os.WIFSIGNALED(status):  # die the same way, so the caller's returncode says which signal ended the run
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import bm25s
 
@@ -205,7 +206,9 @@ def _passage_from_hit(hit: Any) -> Passage:
     if score is not None and not isinstance(score, (int, float)):
         raise SearchError(f"retrieved score is not a number: {score!r:.50}")
     title, text = _split_contents(document["contents"])
-    return Passage(id=str(document.get("id", "")), title=title, text=text, score=None if score is None else float(score))
+    return Passage(
+        id=str(document.get("id", "")), title=title, text=text, score=None if score is None else float(score)
+    )
 
 
 class HttpRetriever(_BatchRetriever):
@@ -238,5 +241,7 @@ class HttpRetriever(_BatchRetriever):
         except (ValueError, KeyError, TypeError) as error:
             raise SearchError(f"{self.endpoint} did not answer with JSON holding 'result': {body[:200]!r}") from error
         if not isinstance(result, list) or len(result) != len(queries) or not all(isinstance(r, list) for r in result):
-            raise SearchError(f"{self.endpoint} must return one list of hits per query ({len(queries)}), got {result!r:.200}")
+            raise SearchError(
+                f"{self.endpoint} must return one list of hits per query ({len(queries)}), got {result!r:.200}"
+            )
         return [[_passage_from_hit(hit) for hit in hits[:top_k]] for hits in result]
