@@ -7,13 +7,14 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from copes.rollout.agent import BUDGETS_BY_KIND, AgentConfig, Trajectory, derive_seed, run_agent
-from copes.tasks.base import Example, Task
+from copes.tasks.base import Example, Score, Task
 from copes.tools import Tool
 
 
@@ -59,7 +60,7 @@ class EvalResult:
         return result
 
 
-def _sample_record(trajectory: Trajectory, score: Any) -> dict[str, Any]:
+def _sample_record(trajectory: Trajectory, score: Score) -> dict[str, Any]:
     return {
         "answer": score.answer,
         "reward": score.reward,
@@ -75,7 +76,20 @@ def _sample_record(trajectory: Trajectory, score: Any) -> dict[str, Any]:
     }
 
 
-def _summarize(task_name: str, records: list[dict[str, Any]], n_samples: int, ks: Sequence[int], wall_seconds: float) -> EvalResult:
+def score_rollouts(task: Task, examples: Sequence[Example], trajectories: Sequence[Trajectory]) -> list[Score]:
+    """Score each trajectory's last turn; a task's optional `score_batch` (the math tasks verify a whole batch
+    on all workers at once) is used when it has one."""
+    texts = [trajectory.final_text for trajectory in trajectories]
+    used_tools = [trajectory.used_tool for trajectory in trajectories]
+    score_batch = getattr(task, "score_batch", None)
+    if score_batch is not None:
+        return score_batch(texts, list(examples), used_tools)
+    return [task.score(text, example, used_tool=used) for text, example, used in zip(texts, examples, used_tools)]
+
+
+def _summarize(
+    task_name: str, records: list[dict[str, Any]], n_samples: int, ks: Sequence[int], wall_seconds: float
+) -> EvalResult:
     samples = [sample for record in records for sample in record["samples"]]
     tool_calls: Counter[str] = Counter()
     for sample in samples:
@@ -115,7 +129,7 @@ def evaluate(
     progress: bool = True,
 ) -> EvalResult:
     """Roll out `n_samples` per example (greedy iff n_samples == 1 unless `greedy` says otherwise) and score
-    each rollout's last turn with `task.score`. `agent_config` defaults to the paper's budgets for the task's
+    each rollout's last turn (`score_rollouts`). `agent_config` defaults to the paper's budgets for the task's
     kind; the decoding arguments here override its greedy/temperature. Rollouts run `batch_size` at a time.
     """
     if not examples:
@@ -141,18 +155,21 @@ def evaluate(
                 model,
                 tokenizer,
                 [prompt for _, prompt in batch],
-                tools=tools,
+                tools=tools if task.chat else (),  # raw-prompt tasks run one turn without tools
                 config=config,
                 system_prompt=system_prompt,
                 chat=task.chat,
                 seed=derive_seed(seed, batch_number),
             )
-            for (example, _), trajectory in zip(batch, trajectories):
-                score = task.score(trajectory.final_text, example, used_tool=trajectory.used_tool)
-                samples.append(_sample_record(trajectory, score))
+            scores = score_rollouts(task, [example for example, _ in batch], trajectories)
+            samples += [_sample_record(trajectory, score) for trajectory, score in zip(trajectories, scores)]
             bar.update(len(batch))
     records = [
-        {"id": example.id, "golds": list(example.golds), "samples": samples[index * n_samples : (index + 1) * n_samples]}
+        {
+            "id": example.id,
+            "golds": list(example.golds),
+            "samples": samples[index * n_samples : (index + 1) * n_samples],
+        }
         for index, example in enumerate(examples)
     ]
     return _summarize(task.name, records, n_samples, ks, time.perf_counter() - started)
@@ -177,6 +194,8 @@ def format_table(results: dict[str, EvalResult]) -> str:
         for name, result in results.items()
     ]
     widths = [max(len(cells[column]) for cells in [header, *rows]) for column in range(len(header))]
-    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(cells, widths)) + " |" for cells in [header, *rows]]
+    lines = [
+        "| " + " | ".join(cell.ljust(width) for cell, width in zip(cells, widths)) + " |" for cells in [header, *rows]
+    ]
     lines.insert(1, "|" + "|".join("-" * (width + 2) for width in widths) + "|")
     return "\n".join(lines)

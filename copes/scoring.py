@@ -11,19 +11,10 @@ from typing import Any
 
 import torch
 
+from copes.evaluation import score_rollouts
 from copes.metrics import PhaseTimer
-from copes.rollout import AgentConfig, Trajectory, run_agent
+from copes.rollout import AgentConfig, run_agent
 from copes.tasks import Example, Task
-
-
-def score_trajectories(task: Task, examples: Sequence[Example], trajectories: Sequence[Trajectory]) -> list[float]:
-    """One reward per question; the answer is read from the last assistant turn."""
-    texts = [trajectory.final_text for trajectory in trajectories]
-    used_tools = [trajectory.used_tool for trajectory in trajectories]
-    score_batch = getattr(task, "score_batch", None)  # math tasks verify a whole batch on all workers at once
-    if score_batch is not None:
-        return [score.reward for score in score_batch(texts, list(examples), used_tools)]
-    return [task.score(text, example, used_tool=used).reward for text, example, used in zip(texts, examples, used_tools)]
 
 
 def rollout_rewards(
@@ -50,7 +41,7 @@ def rollout_rewards(
         trajectories = run_agent(model, tokenizer, prompts * copies, tools=tools if task.chat else (),
                                  config=agent, chat=task.chat, row_context=row_context)
     timer.add("generate", -(timer.seconds["tools"] - tools_seconds_before))  # tool time is reported on its own
-    rewards = score_trajectories(task, list(examples) * copies, trajectories)
+    rewards = [score.reward for score in score_rollouts(task, list(examples) * copies, trajectories)]
     if population is None:
         return rewards
     return [rewards[i * len(prompts) : (i + 1) * len(prompts)] for i in range(copies)]

@@ -7,9 +7,11 @@ downloaded checkpoints (`save_pretrained` -> `AutoTokenizer` / `AutoModelForCaus
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -72,6 +74,46 @@ QWEN_STYLE_TEMPLATE = r"""
 {%- endif %}
 """
 
+# A Qwen3.5-style template: tools block first in the system turn, XML calls
+# (`<tool_call><function=name><parameter=key>value</parameter></function></tool_call>`), contents trimmed, and a
+# generation prompt that opens a think block (closed at once when `enable_thinking` is false).
+QWEN35_STYLE_TEMPLATE = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nTo call a function, reply with:\n<tool_call>\n<function=name>\n<parameter=key>\nvalue\n' }}
+    {{- '</parameter>\n</function>\n</tool_call>' }}
+    {%- if messages[0].role == 'system' %}
+        {{- '\n\n' + messages[0].content | trim }}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content | trim + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = message.content | trim %}
+    {%- if message.role == 'user' or message.role == 'assistant' %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.previtem and loop.previtem.role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or loop.nextitem.role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n<think>\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
 # Plain ChatML that silently ignores `tools` (like many older chat models): tool support must be detected.
 PLAIN_CHATML_TEMPLATE = r"""
 {%- for message in messages %}
@@ -82,7 +124,12 @@ PLAIN_CHATML_TEMPLATE = r"""
 {%- endif %}
 """
 
-CHAT_TEMPLATES = {"qwen": QWEN_STYLE_TEMPLATE, "plain": PLAIN_CHATML_TEMPLATE, None: None}
+CHAT_TEMPLATES = {
+    "qwen": QWEN_STYLE_TEMPLATE,
+    "qwen35": QWEN35_STYLE_TEMPLATE,
+    "plain": PLAIN_CHATML_TEMPLATE,
+    None: None,
+}
 
 _CORPUS_LINES = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
@@ -111,10 +158,13 @@ def _corpus() -> list[str]:
     return _CORPUS_LINES * 4 + arithmetic
 
 
-def build_tiny_tokenizer(tmp_path: Path, *, chat_template: str | None = "qwen", vocab_size: int = 600) -> PreTrainedTokenizerFast:
+def build_tiny_tokenizer(
+    tmp_path: Path, *, chat_template: str | None = "qwen", vocab_size: int = 600
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer (any text encodes, no UNK), save it, and load it back via AutoTokenizer.
 
-    `chat_template`: "qwen" (tools supported), "plain" (ChatML that ignores tools) or None (no template).
+    `chat_template`: "qwen" (Qwen3-style, JSON tool calls), "qwen35" (Qwen3.5-style, XML tool calls, think
+    block), "plain" (ChatML that ignores tools) or None (no template).
     """
     if chat_template not in CHAT_TEMPLATES:
         raise ValueError(f"chat_template must be one of {list(CHAT_TEMPLATES)}, got {chat_template!r}")
@@ -144,22 +194,22 @@ def build_tiny_tokenizer(tmp_path: Path, *, chat_template: str | None = "qwen", 
 
 def build_tiny_lm(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **config: Any) -> Qwen3ForCausalLM:
     """A random-weight Qwen3 (hidden 64, 2 layers) sized to `tokenizer`; `config` overrides Qwen3Config fields."""
-    settings: dict[str, Any] = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
+    settings: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
         # Wider than the 0.02 default so random logits have clear argmaxes (no near-ties for greedy tests).
-        initializer_range=0.2,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+        "initializer_range": 0.2,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": None,
+    }
     settings.update(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -184,6 +234,16 @@ def load_checkpoint(path: Path) -> tuple[Any, PreTrainedTokenizerFast]:
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Import this fixture into a test module to run it with one intra-op thread: tiny models gain nothing from
+    threads, and on a shared CPU the hand-offs cost more than the math (the tests ran twice as long)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 Script = Callable[[str], str]
 
 
@@ -192,16 +252,19 @@ class ScriptedPolicy:
 
     It follows the HF `generate` contract the rollout code relies on: left-padded `input_ids` in, prompt + new
     tokens out, one token per step, a row stops at EOS or when a stopping criterion (stop strings, per-row
-    limits) flags it, finished rows are filled with the pad token. Every call is logged in `calls` (the decoded
-    prompts of that batch) so tests can check which rows were continued.
+    limits) flags it, finished rows are filled with the pad token. Every call is logged: `calls` holds the
+    decoded prompts of each batch (which rows were continued), `configs` the GenerationConfig it was given.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, script: Script) -> None:
         self.tokenizer = tokenizer
         self.script = script
         self.device = torch.device("cpu")
-        self.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        self.generation_config = GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        )
         self.calls: list[list[str]] = []
+        self.configs: list[GenerationConfig] = []
 
     def generate(
         self,
@@ -216,6 +279,7 @@ class ScriptedPolicy:
             for ids, mask in zip(input_ids, attention_mask)
         ]
         self.calls.append(prompts)
+        self.configs.append(generation_config)
         eos, pad = self.tokenizer.eos_token_id, generation_config.pad_token_id
         replies = [self.tokenizer.encode(self.script(prompt), add_special_tokens=False) + [eos] for prompt in prompts]
         sequences = input_ids

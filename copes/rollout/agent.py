@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from copes.rollout.templates import (
     TOOL_FORMATS,
     ParsedCall,
     parse_tool_calls,
-    render_prompt,
+    render_prompt_in_format,
     resolve_tool_format,
     tag_results_suffix,
     tool_results_suffix,
@@ -38,9 +39,8 @@ from copes.tools import Tool
 
 # Tool budgets per row from the paper: math gets 3 searches + 5 Python runs, multi-hop QA 5 + 5.
 BUDGETS_BY_KIND = {"math": {"python": 5, "search": 3}, "qa": {"python": 5, "search": 5}}
-TRAJECTORY_ENDINGS = ("eos", "length", "context", "max_turns")
 
-RowContext = Callable[[list[int]], ContextManager[Any]]
+RowContext = Callable[[list[int]], contextlib.AbstractContextManager[Any]]
 
 
 @dataclass
@@ -59,7 +59,9 @@ class AgentConfig:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (greedy=False only)"})
     tool_format: str = field(
         default="auto",
-        metadata={"help": "'qwen' (<tool_call> JSON via the chat template), 'tags' (<python>/<search>), 'auto' detects"},
+        metadata={
+            "help": "'qwen' (<tool_call> JSON via the chat template), 'tags' (<python>/<search>), 'auto' detects"
+        },
     )
     batch_size: int | None = field(
         default=None, metadata={"help": "rows per generate call (and per row_context); None: all active rows"}
@@ -133,42 +135,46 @@ class Trajectory:
 def _call_tool(tool: Tool, arguments: dict[str, Any]) -> str:
     try:
         return tool.call(arguments)
-    except Exception as error:  # a failing tool must cost one observation, not the whole population's rollout
+    # A failing tool must cost one observation, not the whole population's rollout.
+    except Exception as error:  # noqa: BLE001
         return f"Error: the {tool.name} tool failed: {type(error).__name__}: {error}"
 
 
+def _refusal(call: ParsedCall, budgets: dict[str, int], calls_made: Counter[str]) -> str | None:
+    """The error observation for a call that must not run; None admits it and charges it to the row's budget."""
+    if not call.valid:
+        return f"Error: {call.error}"
+    budget = budgets.get(call.name)
+    if budget is not None and calls_made[call.name] >= budget:
+        return f"Error: the {call.name} budget of {budget} calls is used up; continue without it."
+    calls_made[call.name] += 1
+    return None
+
+
 def _run_calls(
-    calls_by_row: list[list[ParsedCall]],
-    tools: dict[str, Tool],
-    config: AgentConfig,
-    calls_made: list[Counter[str]],
+    calls_by_row: list[list[ParsedCall]], tools: dict[str, Tool], config: AgentConfig, calls_made: list[Counter[str]]
 ) -> list[list[ToolCallRecord]]:
-    """Charge budgets in call order per row, then run every admitted call of the turn on the thread pool."""
-    records: list[list[ToolCallRecord | None]] = []
-    admitted: list[tuple[int, int, ParsedCall]] = []
-    for row, calls in enumerate(calls_by_row):
-        row_records: list[ToolCallRecord | None] = []
-        for call in calls:
-            budget = config.budgets.get(call.name) if call.valid else None
-            if not call.valid:
-                row_records.append(ToolCallRecord(call.name, call.arguments, False, f"Error: {call.error}"))
-            elif budget is not None and calls_made[row][call.name] >= budget:
-                message = f"Error: the {call.name} budget of {budget} calls is used up; continue without it."
-                row_records.append(ToolCallRecord(call.name, call.arguments, False, message))
-            else:
-                calls_made[row][call.name] += 1
-                admitted.append((row, len(row_records), call))
-                row_records.append(None)
-        records.append(row_records)
-    jobs = [(tools[call.name], call.arguments) for _, _, call in admitted]
+    """Judge every call of the turn in order (budgets are charged per row), then run the admitted ones, on the
+    thread pool when there are several: sandboxed Python runs are separate processes, searches are lookups."""
+    judged = [
+        [(call, _refusal(call, config.budgets, made)) for call in calls]
+        for calls, made in zip(calls_by_row, calls_made)
+    ]
+    jobs = [(tools[call.name], call.arguments) for row in judged for call, refusal in row if refusal is None]
     if config.tool_workers > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(max_workers=min(config.tool_workers, len(jobs))) as pool:
-            observations = list(pool.map(lambda job: _call_tool(*job), jobs))
+            observations = iter(list(pool.map(lambda job: _call_tool(*job), jobs)))
     else:
-        observations = [_call_tool(*job) for job in jobs]
-    for (row, slot, call), observation in zip(admitted, observations):
-        records[row][slot] = ToolCallRecord(call.name, call.arguments, True, observation)
-    return records  # type: ignore[return-value]  (every None slot was filled above)
+        observations = iter([_call_tool(*job) for job in jobs])
+    return [
+        [
+            ToolCallRecord(
+                call.name, call.arguments, refusal is None, next(observations) if refusal is None else refusal
+            )
+            for call, refusal in row
+        ]
+        for row in judged
+    ]
 
 
 def derive_seed(seed: int, *keys: int) -> int:
@@ -177,14 +183,20 @@ def derive_seed(seed: int, *keys: int) -> int:
 
 
 def _initial_prompts(
-    tokenizer: Any, user_prompts: Sequence[str], tools: Sequence[Tool], fmt: str | None, system_prompt: str | None, chat: bool, config: AgentConfig
+    tokenizer: Any,
+    user_prompts: Sequence[str],
+    tools: Sequence[Tool],
+    fmt: str | None,
+    system_prompt: str | None,
+    chat: bool,
+    config: AgentConfig,
 ) -> list[str]:
     if not chat:
         return list(user_prompts)
     system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     return [
-        render_prompt(
-            tokenizer, [*system, {"role": "user", "content": text}], tools, tool_format=fmt or "auto", template_kwargs=config.template_kwargs
+        render_prompt_in_format(
+            tokenizer, [*system, {"role": "user", "content": text}], tools, fmt, config.template_kwargs
         )
         for text in user_prompts
     ]
@@ -218,7 +230,8 @@ def run_agent(
     fmt = resolve_tool_format(tokenizer, config.tool_format, config.template_kwargs) if tools else None
     stop_strings = tool_stop_strings(fmt, tools) if fmt else ()
     trajectories = [
-        Trajectory(prompt) for prompt in _initial_prompts(tokenizer, user_prompts, tools, fmt, system_prompt, chat, config)
+        Trajectory(prompt)
+        for prompt in _initial_prompts(tokenizer, user_prompts, tools, fmt, system_prompt, chat, config)
     ]
     calls_made: list[Counter[str]] = [Counter() for _ in trajectories]
     row_context = row_context or (lambda indices: contextlib.nullcontext())
@@ -275,7 +288,9 @@ def run_agent(
             trajectory.tool_calls += row_records
             observations = [record.observation for record in row_records]
             trajectory.completion += (
-                tool_results_suffix(tokenizer, observations, config.template_kwargs) if fmt == "qwen" else tag_results_suffix(observations)
+                tool_results_suffix(tokenizer, observations, config.template_kwargs)
+                if fmt == "qwen"
+                else tag_results_suffix(observations)
             )
 
     for trajectory in trajectories:

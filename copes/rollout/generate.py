@@ -7,13 +7,19 @@ order is the prompt order, which is what lets EGGROLL map batch rows to populati
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
-FINISH_REASONS = ("eos", "stop", "length")
+# StopStringCriteria preprocesses the whole vocabulary on construction (about a second for a 150k vocab, even on
+# HF's cache hits); it keeps no per-call state, so one instance per tokenizer and stop-string set is reused.
+_STOP_CRITERIA: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[str, ...]], StopStringCriteria]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,14 @@ class _RowTokenLimit(StoppingCriteria):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
         return (input_ids.shape[1] - self.prompt_width) >= self.limits
+
+
+def _stop_criterion(tokenizer: Any, stop_strings: Sequence[str]) -> StopStringCriteria:
+    by_strings = _STOP_CRITERIA.setdefault(tokenizer, {})
+    key = (len(tokenizer), tuple(stop_strings))  # the vocabulary size changes when tokens are added
+    if key not in by_strings:
+        by_strings[key] = StopStringCriteria(tokenizer, list(stop_strings))
+    return by_strings[key]
 
 
 def _adds_special_tokens(tokenizer: Any, prompts: Sequence[str]) -> bool:
@@ -65,17 +79,26 @@ def _eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def _generation_config(max_new_tokens: int, greedy: bool, temperature: float, top_p: float, pad: int, eos: list[int]) -> GenerationConfig:
-    if greedy:
-        return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=eos)
-    # top_k=0 switches off the top-k filter a checkpoint's generation_config may carry (Qwen ships top_k=20), so
-    # sampling is exactly temperature + nucleus as configured here.
+def _generation_config(
+    max_new_tokens: int, greedy: bool, temperature: float, top_p: float, pad: int, eos: list[int]
+) -> GenerationConfig:
+    # The sampling knobs are always set here, so none is inherited from a checkpoint's generation_config (Qwen
+    # ships temperature 0.6, top_p 0.95, top_k 20). Greedy decoding gets HF's neutral values, which also keeps
+    # `generate` from warning about unused flags; sampling uses top_k=0, i.e. no top-k filter.
     return GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p, top_k=0, pad_token_id=pad, eos_token_id=eos
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        temperature=1.0 if greedy else temperature,
+        top_p=1.0 if greedy else top_p,
+        top_k=50 if greedy else 0,
+        pad_token_id=pad,
+        eos_token_id=eos,
     )
 
 
-def _finish_row(tokenizer: Any, new_ids: list[int], limit: int, eos: set[int], pad: int, stop_strings: Sequence[str]) -> Generation:
+def _finish_row(
+    tokenizer: Any, new_ids: list[int], limit: int, eos: set[int], pad: int, stop_strings: Sequence[str]
+) -> Generation:
     new_ids = new_ids[:limit]
     end = next((position for position, token in enumerate(new_ids) if token in eos or token == pad), len(new_ids))
     text = tokenizer.decode(new_ids[:end], skip_special_tokens=True)
@@ -109,7 +132,7 @@ def _generate_chunk(
     if min(limits) < max(limits):
         criteria.append(_RowTokenLimit(width, torch.tensor(limits, device=model.device)))
     if stop_strings:
-        criteria.append(StopStringCriteria(tokenizer, list(stop_strings)))
+        criteria.append(_stop_criterion(tokenizer, stop_strings))
     with torch.inference_mode():
         sequences = model.generate(
             input_ids=encoded["input_ids"],
