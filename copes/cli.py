@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,7 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
         examples = task.examples(split, limit=limit)
         limits = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
         agent = AgentConfig.for_kind(task.kind, **limits) if task.kind in ("math", "qa") else AgentConfig(**limits)
-        task_tools = build_tools(task, enabled=tools, corpus=None, retriever_url=None, timer=PhaseTimer())
+        task_tools = build_tools(task, enabled=tools, corpus=None, retriever_url=None, timer=PhaseTimer(), corpus_dir=Path(tempfile.mkdtemp(prefix="copes-corpus-")))
         results[name] = evaluate(lm, tokenizer, task, examples, n_samples=samples, temperature=temperature, ks=ks,
                                  tools=task_tools, agent_config=agent, seed=seed)
     click.echo(format_table(results))

@@ -15,7 +15,9 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Any:
     from copes.strategies import EGGROLL, CoPES, CoPESLowRank
 
     common = dict(population=cfg.population, sigma=cfg.sigma, lr=cfg.lr, seed=cfg.seed,
-                  include=cfg.include or None, exclude=cfg.exclude or None, fitness=cfg.fitness)
+                  include=cfg.include or None, exclude=cfg.exclude or None)
+    if cfg.fitness is not None:  # otherwise each strategy's own default
+        common["fitness"] = cfg.fitness
     try:
         if cfg.algorithm in ("copes", "es"):
             return CoPES(model, num_subspaces=cfg.num_subspaces, chunk_size=cfg.chunk_size, restore=cfg.restore, **common)
@@ -42,7 +44,7 @@ class TimedTool:
 
 
 def build_tools(
-    task: Task, *, enabled: bool, corpus: str | None, retriever_url: str | None, timer: PhaseTimer
+    task: Task, *, enabled: bool, corpus: str | None, retriever_url: str | None, timer: PhaseTimer, corpus_dir: Path
 ) -> list[TimedTool]:
     """Python sandbox for every chat task; search too when a retriever or corpus is available."""
     if not enabled or not task.chat:
@@ -56,6 +58,28 @@ def build_tools(
         if not Path(corpus).is_file():
             raise ConfigError(f"search corpus {corpus} does not exist")
         tools.append(SearchTool(BM25Search(corpus)))
-    elif hasattr(task, "search_corpus"):
-        tools.append(SearchTool(BM25Search(task.search_corpus())))
+    elif task.kind == "qa" and (built := task_corpus(task, corpus_dir)) is not None:
+        tools.append(SearchTool(BM25Search(built)))
     return [TimedTool(tool, timer) for tool in tools]
+
+
+def task_corpus(task: Task, folder: Path) -> Path | None:
+    """A BM25 corpus of every context paragraph the task's splits carry (HotpotQA, 2Wiki); None when they carry
+    none (MuSiQue: give --search-corpus or --retriever-url)."""
+    from copes.tasks.loading import DatasetError
+    from copes.tools import write_corpus
+
+    paragraphs = []
+    for split in ("train", "validation", "test"):
+        try:
+            examples = task.examples(split)
+        except (ValueError, DatasetError):
+            continue
+        for example in examples:
+            # HotpotQA sentences carry their own leading spaces, so plain concatenation restores the paragraph.
+            paragraphs += [(title, "".join(sentences).strip()) for title, sentences in example.meta.get("paragraphs", [])]
+    if not paragraphs:
+        return None
+    path = folder / f"{task.name}_corpus.jsonl"
+    write_corpus(paragraphs, path)
+    return path

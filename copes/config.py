@@ -48,7 +48,8 @@ class TrainConfig:
     tools: bool = _opt(True, "let the agent call the Python sandbox and search (where the task supports them)")
     search_corpus: str | None = _opt(None, "BM25 corpus jsonl for the search tool (default: built from the task's contexts)")
     retriever_url: str | None = _opt(None, "Search-R1 style retrieval server URL instead of local BM25")
-    fitness: str = _opt("joint", "reward standardisation: joint | per_subspace | centered_rank | per_question")
+    fitness: str | None = _opt(None, "reward standardisation: joint | per_subspace | centered_rank | per_question "
+                                     "(default: joint for copes/es/copes-lowrank, per_question for eggroll)")
     dtype: str = _opt("auto", "weights dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16")
     device: str = _opt("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
     restore: str = _opt("device", "how a member's perturbation is undone: device backup | host backup | subtract")

@@ -88,8 +88,8 @@ def plot_curves(records: list[dict[str, Any]], evals: list[dict[str, Any]], path
 
     fig, reward_axis = plt.subplots(figsize=(7, 4), dpi=120)
     steps = [r["step"] for r in records]
-    reward_axis.plot(steps, [r["reward_mean"] for r in records], label="reward (population mean)", color="tab:blue")
-    reward_axis.plot(steps, [r["reward_max"] for r in records], label="reward (best member)", color="tab:blue", alpha=0.35)
+    reward_axis.plot(steps, [r["mean_reward"] for r in records], label="reward (population mean)", color="tab:blue")
+    reward_axis.plot(steps, [r["max_reward"] for r in records], label="reward (best member)", color="tab:blue", alpha=0.35)
     reward_axis.set_xlabel("step")
     reward_axis.set_ylabel("training reward")
     handles, labels = reward_axis.get_legend_handles_labels()

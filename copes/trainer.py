@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,7 @@ class Trainer:
             raise ConfigError(f"task {cfg.task} has no training examples")
         self.eval_set = self._eval_examples()
         self.model, self.tokenizer, self.device = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
-        self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer)
+        self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out)
         limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens, greedy=True)
         self.agent = AgentConfig.for_kind(self.task.kind, **limits) if self.task.kind in ("math", "qa") else AgentConfig(**limits)
         self.strategy = build_strategy(cfg, self.model)
@@ -131,13 +131,13 @@ class Trainer:
             phase_before = dict(self.timer.seconds)
             stats = self.strategy.step(lambda model, rows=None: self.rewards_for(model, examples, rows))
             for phase in ("perturb", "restore", "update"):
-                self.timer.add(phase, stats.seconds.get(phase, 0.0))
-            record = {"step": step + 1, **stats.to_record(),
+                self.timer.add(phase, getattr(stats, f"{phase}_seconds"))
+            record = {"step": step + 1, **{k: v for k, v in asdict(stats).items() if not k.endswith("_seconds") and k != "step"},
                       "time": {k: round(v - phase_before.get(k, 0.0), 4) for k, v in self.timer.seconds.items()}}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 record["eval"] = self.held_out(step + 1)
             metrics.append(record)
-            bar.set_postfix(reward=f"{stats.reward_mean:.3f}", best=f"{stats.reward_max:.3f}")
+            bar.set_postfix(reward=f"{stats.mean_reward:.3f}", best=f"{stats.max_reward:.3f}")
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 self.save(step + 1, metrics)
             if cfg.budget_hours and time.perf_counter() - started > cfg.budget_hours * 3600:

@@ -10,6 +10,7 @@ from copes.tools.search import (
     Retriever,
     SearchError,
     build_corpus_from_hotpotqa,
+    write_corpus,
     load_corpus,
 )
 
@@ -25,6 +26,7 @@ __all__ = [
     "SearchTool",
     "Tool",
     "build_corpus_from_hotpotqa",
+    "write_corpus",
     "load_corpus",
     "tool_schema",
 ]

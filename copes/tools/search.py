@@ -89,23 +89,32 @@ def _hotpotqa_paragraphs(record: dict[str, Any], where: str) -> Iterator[tuple[s
         yield title, "".join(sentences).strip()
 
 
-def build_corpus_from_hotpotqa(paths: list[Path], out_path: Path) -> int:
-    """Write one passage per distinct (title, paragraph) found in the contexts of `paths`; returns the count."""
-    if not paths:
-        raise ValueError("paths must name at least one HotpotQA file")
+def write_corpus(paragraphs: Iterable[tuple[str, str]], out_path: Path) -> int:
+    """Write one passage per distinct non-empty (title, text) as `{"id","title","text"}` jsonl; returns the count."""
     seen: set[tuple[str, str]] = set()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "w", encoding="utf-8") as out:
-        for path in paths:
-            for row_number, record in enumerate(_read_records(Path(path)), 1):
-                for title, text in _hotpotqa_paragraphs(record, where=f"{path} row {row_number}"):
-                    if not text or (title, text) in seen:
-                        continue
-                    seen.add((title, text))
-                    passage = {"id": str(len(seen) - 1), "title": title, "text": text}
-                    out.write(json.dumps(passage, ensure_ascii=False) + "\n")
+        for title, text in paragraphs:
+            if not text or (title, text) in seen:
+                continue
+            seen.add((title, text))
+            passage = {"id": str(len(seen) - 1), "title": title, "text": text}
+            out.write(json.dumps(passage, ensure_ascii=False) + "\n")
     return len(seen)
+
+
+def build_corpus_from_hotpotqa(paths: list[Path], out_path: Path) -> int:
+    """Write one passage per distinct (title, paragraph) found in the contexts of `paths`; returns the count."""
+    if not paths:
+        raise ValueError("paths must name at least one HotpotQA file")
+    paragraphs = (
+        paragraph
+        for path in paths
+        for row_number, record in enumerate(_read_records(Path(path)), 1)
+        for paragraph in _hotpotqa_paragraphs(record, where=f"{path} row {row_number}")
+    )
+    return write_corpus(paragraphs, out_path)
 
 
 def load_corpus(corpus_path: Path) -> list[Passage]:
