@@ -61,6 +61,8 @@ class TrainConfig:
     checkpoint_every: int = _opt(10, "steps between checkpoints (0: only at the end)")
     output_dir: str = _opt("runs/copes", "where metrics, plots, summary and checkpoints go")
     budget_hours: float | None = _opt(None, "stop cleanly (checkpoint + summary) after this much wall time")
+    dist_check_every: int = _opt(10, "with torchrun: steps between cross-rank weight checksum comparisons")
+    dist_timeout_s: float = _opt(1800.0, "with torchrun: seconds a rank waits for the others before failing")
     tensorboard: bool = _opt(False, "also write TensorBoard events (needs the tensorboard package)")
     data_dir: str | None = _opt(None, "local dataset folder (default: $COPES_DATA_DIR or ../shared/data; else the hub)")
     include: list[str] = _opt([], "only parameters whose names match one of these patterns (default: all)")
@@ -77,7 +79,8 @@ class TrainConfig:
         for name in ("sigma", "lr"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
-        for name in ("population", "subspaces", "rank", "prompt_batch", "max_new_tokens", "max_turns", "chunk_size"):
+        for name in ("population", "subspaces", "rank", "prompt_batch", "max_new_tokens", "max_turns", "chunk_size",
+                     "dist_check_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.steps < 0 or self.eval_size < 0 or self.eval_every < 0 or self.checkpoint_every < 0:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from copes.config import ConfigError
+
 PHASES = ("generate", "tools", "perturb", "restore", "update", "evaluate", "checkpoint")
 
 
@@ -50,12 +52,23 @@ def peak_memory_bytes(device: torch.device) -> dict[str, int]:
 
 
 class MetricsLog:
-    """Append-only metrics.jsonl, flushed per record; on resume, records past the checkpoint are dropped."""
+    """Append-only metrics.jsonl, flushed per record; on resume, records past the checkpoint are dropped (a
+    crash can leave steps that the checkpoint does not hold, and they will be re-run). `path=None` keeps the
+    records in memory only (ranks other than 0)."""
 
-    def __init__(self, path: Path, *, keep_through_step: int | None = None) -> None:
+    def __init__(self, path: Path | None, *, keep_through_step: int = 0, tensorboard: bool = False) -> None:
         self.path = path
         self.records: list[dict[str, Any]] = []
-        if keep_through_step is not None and path.exists():
+        self.board = None
+        if path is None:
+            return
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("--tensorboard needs the tensorboard package: pip install 'copes[tensorboard]'") from None
+            self.board = SummaryWriter(str(path.parent / "tensorboard"))
+        if keep_through_step and path.exists():
             for line in path.read_text(encoding="utf-8").splitlines():
                 try:
                     record = json.loads(line)
@@ -63,20 +76,22 @@ class MetricsLog:
                     break  # a torn last line from a crash
                 if record.get("step", 0) <= keep_through_step:
                     self.records.append(record)
-        elif path.exists():
-            path.unlink()
-        self._rewrite()
-
-    def _rewrite(self) -> None:
-        temporary = self.path.with_name(self.path.name + ".tmp")
+        temporary = path.with_name(path.name + ".tmp")
         temporary.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
-        os.replace(temporary, self.path)
+        os.replace(temporary, path)
 
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)
+        if self.path is None:
+            return
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
             handle.flush()
+        if self.board is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self.board.add_scalar(key, value, record["step"])
+            self.board.flush()
 
 
 def plot_curves(records: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path, title: str) -> None:

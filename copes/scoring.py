@@ -26,15 +26,15 @@ def rollout_rewards(
     tools: Sequence[Any],
     agent: AgentConfig,
     timer: PhaseTimer,
-    population: int | None = None,
+    members: Sequence[int] | None = None,
     row_members: Any = None,
 ) -> list[float] | list[list[float]]:
-    """Per-question rewards [Q], or [N][Q] for a batched population (`population` and `row_members` given)."""
+    """Per-question rewards [Q], or [len(members)][Q] for a batched population (`members` and `row_members`)."""
     prompts = [task.prompt(example) for example in examples]
-    copies = population or 1
+    copies = len(members) if members is not None else 1
     row_context = None
     if row_members is not None:
-        member_of_row = torch.arange(copies).repeat_interleave(len(prompts))
+        member_of_row = torch.as_tensor(list(members)).repeat_interleave(len(prompts))
         row_context = lambda indices: row_members(member_of_row[indices])  # noqa: E731
     tools_seconds_before = timer.seconds["tools"]
     with timer("generate"):
@@ -42,6 +42,6 @@ def rollout_rewards(
                                  config=agent, chat=task.chat, row_context=row_context)
     timer.add("generate", -(timer.seconds["tools"] - tools_seconds_before))  # tool time is reported on its own
     rewards = [score.reward for score in score_rollouts(task, list(examples) * copies, trajectories)]
-    if population is None:
+    if members is None:
         return rewards
     return [rewards[i * len(prompts) : (i + 1) * len(prompts)] for i in range(copies)]

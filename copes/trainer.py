@@ -18,6 +18,8 @@ from tqdm.auto import tqdm
 from copes import checkpoint as ckpt
 from copes.components import build_strategy, build_tools
 from copes.config import ConfigError, TrainConfig
+from copes.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, init_distributed,
+                               members_for_rank)
 from copes.evaluation import evaluate
 from copes.metrics import MetricsLog, PhaseTimer, peak_memory_bytes, plot_curves
 from copes.modeling import load_model
@@ -51,6 +53,8 @@ class Trainer:
 
     def __post_init__(self) -> None:
         cfg = self.cfg
+        self.dist = init_distributed(cfg.device, timeout_s=cfg.dist_timeout_s)
+        self.is_main = self.dist is None or self.dist.is_main  # only rank 0 writes logs and checkpoints
         self.out = Path(cfg.output_dir)
         try:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -64,7 +68,8 @@ class Trainer:
         if not self.train_set:
             raise ConfigError(f"task {cfg.task} has no training examples")
         self.eval_set = self._eval_examples()
-        self.model, self.tokenizer, self.device = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+        device = str(self.dist.device) if self.dist else cfg.device
+        self.model, self.tokenizer, self.device = load_model(cfg.model, device=device, dtype=cfg.dtype)
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out)
         limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens, greedy=True)
         self.agent = AgentConfig.for_kind(self.task.kind, **limits) if self.task.kind in ("math", "qa") else AgentConfig(**limits)
@@ -84,10 +89,25 @@ class Trainer:
         raise ConfigError(f"task {self.cfg.task} has no held-out split to evaluate on")
 
     # ---- the pieces the loop calls -------------------------------------------------------------------------
-    def rewards_for(self, model: Any, examples: list[Example], row_members: Any = None) -> list[float] | list[list[float]]:
+    def rewards_for(self, model: Any, examples: list[Example], row_members: Any = None,
+                    members: list[int] | None = None) -> list[float] | list[list[float]]:
+        if row_members is not None and members is None:
+            members = list(range(self.cfg.population))
         return rollout_rewards(model, self.tokenizer, self.task, examples, tools=self.tools, agent=self.agent,
-                               timer=self.timer, population=self.cfg.population if row_members else None,
-                               row_members=row_members)
+                               timer=self.timer, members=members, row_members=row_members)
+
+    def population_step(self, step: int, examples: list[Example]) -> Any:
+        """One ES step; with several ranks each evaluates its share of the members and the rewards are gathered."""
+        if self.dist is None:
+            return self.strategy.step(lambda model, rows=None: self.rewards_for(model, examples, rows))
+        mine = members_for_rank(self.cfg.population, self.dist.rank, self.dist.world_size)
+        if hasattr(self.strategy, "row_members"):  # EGGROLL family: one batched call for this rank's members
+            rewards = self.strategy.evaluate(lambda model, rows: self.rewards_for(model, examples, rows, mine), members=mine)
+            local = dict(zip(mine, rewards))
+        else:
+            self.strategy.plan()
+            local = {m: self.strategy.evaluate_member(m, lambda model: self.rewards_for(model, examples)) for m in mine}
+        return self.strategy.apply_update(torch.stack(gather_member_rewards(local, self.cfg.population, step)))
 
     def held_out(self, step: int) -> dict[str, Any]:
         if not self.eval_set:
@@ -99,11 +119,19 @@ class Trainer:
         self.evals.append(record)
         return record
 
-    def save(self, step: int, metrics: MetricsLog) -> None:
+    def save(self, step: int) -> None:
         with self.timer("checkpoint"):
-            state = {"step": step, "config": self.cfg.to_dict(), "eval_before": self.eval_before, "evals": self.evals}
-            ckpt.save_checkpoint(self.out / "checkpoints", step, model=self.model, tokenizer=self.tokenizer,
-                                 es_state=self.strategy.state_dict(), trainer_state=state)
+            if self.is_main:
+                state = {"step": step, "config": self.cfg.to_dict(), "eval_before": self.eval_before, "evals": self.evals}
+                ckpt.save_checkpoint(self.out / "checkpoints", step, model=self.model, tokenizer=self.tokenizer,
+                                     es_state=self.strategy.state_dict(), trainer_state=state)
+            if self.dist:
+                barrier(step)  # nobody races ahead of a checkpoint it might have to resume from
+        self.saved_step = step
+
+    def over_budget(self, started: float, step: int) -> bool:
+        over = bool(self.cfg.budget_hours) and time.perf_counter() - started > self.cfg.budget_hours * 3600
+        return broadcast_value(over, step) if self.dist else over  # rank 0's clock decides for everyone
 
     def resume(self, path: str) -> None:
         folder = ckpt.find_checkpoint(path)
@@ -120,16 +148,17 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         cfg, started = self.cfg, time.perf_counter()
-        metrics = MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.start_step if self.start_step else None)
+        metrics = MetricsLog(self.out / "metrics.jsonl" if self.is_main else None, keep_through_step=self.start_step,
+                             tensorboard=cfg.tensorboard)
         if self.eval_before is None:
             self.eval_before = self.held_out(step=0)
-        stopped_by, step = "steps", self.start_step
-        bar = tqdm(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}", disable=not self.progress,
-                   initial=self.start_step, total=cfg.steps)
+        stopped_by, step, self.saved_step = "steps", self.start_step, self.start_step
+        bar = tqdm(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}", initial=self.start_step,
+                   total=cfg.steps, disable=not (self.progress and self.is_main))
         for step in bar:
             examples = [self.train_set[i] for i in batch_indices(step, cfg.prompt_batch, len(self.train_set), cfg.seed)]
             phase_before = dict(self.timer.seconds)
-            stats = self.strategy.step(lambda model, rows=None: self.rewards_for(model, examples, rows))
+            stats = self.population_step(step, examples)
             for phase in ("perturb", "restore", "update"):
                 self.timer.add(phase, getattr(stats, f"{phase}_seconds"))
             record = {"step": step + 1, **{k: v for k, v in asdict(stats).items() if not k.endswith("_seconds") and k != "step"},
@@ -138,14 +167,17 @@ class Trainer:
                 record["eval"] = self.held_out(step + 1)
             metrics.append(record)
             bar.set_postfix(reward=f"{stats.mean_reward:.3f}", best=f"{stats.max_reward:.3f}")
+            if self.dist and (step + 1) % cfg.dist_check_every == 0:
+                check_in_sync(self.model, step + 1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                self.save(step + 1, metrics)
-            if cfg.budget_hours and time.perf_counter() - started > cfg.budget_hours * 3600:
+                self.save(step + 1)
+            if self.over_budget(started, step + 1):
                 stopped_by = "budget"
                 break
         completed = step + 1 if cfg.steps > self.start_step else self.start_step
         eval_after = self.held_out(step=completed)
-        self.save(completed, metrics)
+        if self.saved_step != completed:
+            self.save(completed)
         return self.finish(metrics, eval_after, completed, stopped_by, time.perf_counter() - started)
 
     def finish(self, metrics: MetricsLog, eval_after: dict, steps: int, stopped_by: str, wall: float) -> dict[str, Any]:
@@ -156,6 +188,8 @@ class Trainer:
             "peak_host_memory_bytes": peaks["host"], "phase_seconds": self.timer.snapshot(),
             "gpu_hours": round(wall / 3600 * (self.device.type == "cuda"), 4), "config": self.cfg.to_dict(),
         }
+        if not self.is_main:
+            return summary
         ckpt.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
         plot_curves(metrics.records, self.evals, self.out / "curve.png",
                     f"{self.cfg.algorithm} on {self.cfg.task} ({Path(self.cfg.model).name})")

@@ -302,9 +302,13 @@ class _LowRankES:
 
         return embedding.register_forward_hook(hook)
 
-    def evaluate(self, fitness_fn: BatchedFitnessFn) -> torch.Tensor:
+    def evaluate(self, fitness_fn: BatchedFitnessFn, members: Sequence[int] | None = None) -> torch.Tensor:
         """Call `fitness_fn(model, row_members)` once for the whole population (under torch.no_grad()); returns its
-        rewards as float64 [N] or [N, Q]. The weights are not modified."""
+        rewards as float64 [N] or [N, Q]. The weights are not modified.
+
+        `members` (a rank's share in distributed runs) narrows the call to those members: the fn then returns one
+        row of rewards per listed member, in that order.
+        """
         self._step_noise()
         start = time.perf_counter()
         try:
@@ -312,25 +316,23 @@ class _LowRankES:
                 value = fitness_fn(self.model, self.row_members)
         finally:
             self._seconds["evaluate"] += time.perf_counter() - start
-        return self._as_rewards(value)
+        return self._as_rewards(value, self.population if members is None else len(members))
 
-    def _as_rewards(self, value: Any) -> torch.Tensor:
+    def _as_rewards(self, value: Any, expected: int) -> torch.Tensor:
         try:
             rewards = torch.as_tensor(value, dtype=torch.float64).detach().to("cpu")
         except (TypeError, ValueError, RuntimeError) as error:
             raise TypeError(
                 f"fitness_fn must return rewards [N] or [N, Q] as a tensor or nested lists of floats: {error}"
             ) from None
-        if rewards.dim() not in (1, 2) or rewards.shape[0] != self.population:
-            raise ValueError(
-                f"rewards must be [{self.population}] or [{self.population}, Q], got {tuple(rewards.shape)}"
-            )
+        if rewards.dim() not in (1, 2) or rewards.shape[0] != expected:
+            raise ValueError(f"rewards must be [{expected}] or [{expected}, Q], got {tuple(rewards.shape)}")
         return rewards
 
     def apply_update(self, rewards: torch.Tensor | Sequence[Any]) -> StepStats:
         """Shape the rewards of all N members ([N] or [N, Q]) and apply this step's update; ends the step."""
         plan = self.plan()
-        rewards_t = self._as_rewards(rewards)
+        rewards_t = self._as_rewards(rewards, self.population)
         r_hat, info = shape_fitness(
             rewards_t, self.fitness, member_subspaces=plan.member_subspace, std_floor=self.std_floor
         )

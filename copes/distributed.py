@@ -1,0 +1,113 @@
+"""Population sharding with torch.distributed: only scalars cross the wire.
+
+Every rank holds the whole model and evaluates its share of the members (a balanced, deterministic split); the
+rewards are all-gathered; every rank applies the identical update from the seeds. Launch with
+`torchrun --nproc-per-node P $(which copes-run) ...` — NCCL on GPUs, gloo on CPU. A cheap checksum of the weights
+is compared across ranks every few steps, so a silent divergence becomes a clear error naming the step, and every
+collective has a timeout, so a dead or hung rank ends the run with a message instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+class DistributedError(RuntimeError):
+    """Ranks disagree or one of them stopped answering."""
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_distributed() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext | None:
+    """Join the process group torchrun set up; None for a plain single-process launch."""
+    if not launched_distributed():
+        return None
+    use_cuda = device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local)
+    else:
+        local = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), device=local)
+
+
+def members_for_rank(population: int, rank: int, world_size: int) -> list[int]:
+    """Contiguous shares whose sizes differ by at most one (the first `population % world_size` ranks get one more)."""
+    base, extra = divmod(population, world_size)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (rank < extra)))
+
+
+def _collective(what: str, step: int, call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except (RuntimeError, dist.DistBackendError) as error:
+        raise DistributedError(
+            f"step {step}: {what} failed — another rank died, hung past the timeout or diverged ({str(error).splitlines()[0]})"
+        ) from None
+
+
+def gather_member_rewards(local: dict[int, torch.Tensor], population: int, step: int) -> list[torch.Tensor]:
+    """Every rank's {member: rewards} merged into the full population list, in member order, on every rank."""
+    shares: list[dict[int, torch.Tensor] | None] = [None] * dist.get_world_size()
+    _collective("gathering rewards", step, lambda: dist.all_gather_object(shares, {m: r.cpu() for m, r in local.items()}))
+    merged = {member: rewards for share in shares for member, rewards in (share or {}).items()}
+    missing = sorted(set(range(population)) - set(merged))
+    if missing:
+        raise DistributedError(f"step {step}: no rewards arrived for members {missing}")
+    return [merged[member] for member in range(population)]
+
+
+def weights_checksum(model: torch.nn.Module) -> torch.Tensor:
+    """Per-parameter float64 (sum, sum of squares, position-weighted sum): cheap, and any changed element shows."""
+    rows = []
+    for parameter in model.parameters():
+        flat = parameter.detach().reshape(-1).to(torch.float64)
+        position = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64) / flat.numel()
+        rows.append(torch.stack((flat.sum(), flat.square().sum(), (flat * position).sum())))
+    return torch.stack(rows).cpu()
+
+
+def check_in_sync(model: torch.nn.Module, step: int) -> None:
+    """Raise DistributedError on every rank when any rank's weights differ from rank 0's."""
+    mine = weights_checksum(model)
+    everyone: list[torch.Tensor | None] = [None] * dist.get_world_size()
+    _collective("comparing weight checksums", step, lambda: dist.all_gather_object(everyone, mine))
+    diverged = [rank for rank, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
+    if diverged:
+        raise DistributedError(f"step {step}: weights of rank(s) {diverged} diverged from rank 0's")
+
+
+def barrier(step: int) -> None:
+    _collective("waiting for the other ranks", step, dist.barrier)
+
+
+def broadcast_value(value: Any, step: int) -> Any:
+    """Rank 0's value on every rank (e.g. whether to stop on the time budget)."""
+    box = [value]
+    _collective("broadcasting from rank 0", step, lambda: dist.broadcast_object_list(box, src=0))
+    return box[0]

@@ -1,0 +1,343 @@
+"""The trainable-parameter space of a model: which tensors ES moves, their noise ids, chunks, backups and
+update precision. Works on any `torch.nn.Module`; every tensor operation goes through the public
+`copes_kernels` API, so CUDA parameters run the fused kernels and CPU parameters the torch reference.
+
+Selection: parameter names (as `model.named_parameters()` spells them) are matched with shell-style `fnmatch`
+patterns, case-sensitive, where `*` also crosses dots (`"*.mlp.*"`, `"model.layers.1[0-5].*"`). A parameter is
+trainable when it matches some `include` pattern (all do when include is None) and no `exclude` pattern.
+`requires_grad` is ignored: ES needs no autograd, and inference code often switches it off. Tied weights
+(embedding == lm_head) are one Parameter object and appear once, under their first name.
+
+Noise ids: `tensor_id = zlib.crc32(name)`, stable across processes and runs (unlike Python's `hash`); two
+selected names with the same id are rejected, since they would receive identical noise.
+
+Restore (undo one member's perturbation):
+  "device"    back up only the perturbed subspace's chunks (1/K of the weights) on the device; exact.
+  "host"      the same packed chunks copied to host memory (pinned for CUDA), slice by slice; exact, and the
+              device holds no backup at all (the paper's way of saving accelerator memory).
+  "subtract"  re-apply the noise with -sigma; needs no memory but x + s e - s e != x in floating point.
+
+Update precision (applies to 16-bit parameters; float32 ones always update in place, in float32):
+  "native"         add the update in the parameter's dtype: a step below half an ulp is lost.
+  "stochastic"     unbiased stochastic rounding of (w + delta) into bf16/fp16: tiny steps survive in expectation.
+  "master_device"  an fp32 master copy on the parameter's device receives the update; the model gets its
+                   round-to-nearest copy.
+  "master_host"    the fp32 master lives in host memory (pinned for CUDA) and is staged to the device per slice.
+  "auto"           "stochastic" (the strategy may choose a master mode instead, e.g. for Adam).
+
+`stream_elements` processes every parameter in slices of that many elements (passing `offset`, so the noise
+and the chunk layout are those of the whole tensor): it bounds the transient memory (backups, staged masters,
+the update-norm snapshot) and gives bit-identical results for any slice size.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import warnings
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import copes_kernels as ck
+
+RESTORE_MODES = ("device", "host", "subtract")
+UPDATE_PRECISIONS = ("auto", "native", "stochastic", "master_device", "master_host")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# (parameter index, offset of the slice in the parameter, fp32 gradient estimate of the slice) -> fp32 delta.
+UpdateRule = Callable[[int, int, torch.Tensor], torch.Tensor]
+
+
+def tensor_id_for(name: str) -> int:
+    """The 32-bit noise id of a parameter name (CRC-32 of its UTF-8 bytes)."""
+    return zlib.crc32(name.encode("utf-8"))
+
+
+def _as_patterns(name: str, patterns: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    if patterns is None:
+        return None
+    if isinstance(patterns, str):
+        return (patterns,)
+    result = tuple(patterns)
+    if not all(isinstance(p, str) for p in result):
+        raise ValueError(f"{name} must be a pattern string or a sequence of them, got {patterns!r}")
+    return result
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+@dataclass(eq=False)
+class TrainableParameter:
+    """One tensor ES moves. `data` shares the model's storage, so writes to it change the model."""
+
+    name: str
+    data: torch.Tensor
+    tensor_id: int
+    precision: str  # resolved: "native", "stochastic", "master_device" or "master_host"
+    master: torch.Tensor | None = None  # fp32 copy, same shape, for the master precisions
+
+    @property
+    def numel(self) -> int:
+        return self.data.numel()
+
+
+@dataclass
+class _Perturbation:
+    """What restore() needs to undo the perturbation currently applied."""
+
+    partition: list[torch.Tensor]
+    seed: int
+    member: int
+    subspace: int
+    sigma: float
+    backups: list[torch.Tensor]  # packed chunks per slice, in slice order ("device" / "host")
+
+
+class ParameterSpace:
+    """The trainable parameters of `model`, chunked for CoPES partitions, with perturb / restore / update."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        include: str | Sequence[str] | None = None,
+        exclude: str | Sequence[str] | None = None,
+        chunk_size: int = ck.DEFAULT_CHUNK_SIZE,
+        *,
+        restore: str = "device",
+        update_precision: str = "auto",
+        stream_elements: int | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if restore not in RESTORE_MODES:
+            raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
+        if update_precision not in UPDATE_PRECISIONS:
+            raise ValueError(f"update_precision must be one of {UPDATE_PRECISIONS}, got {update_precision!r}")
+        if stream_elements is not None and int(stream_elements) < 1:
+            raise ValueError(f"stream_elements must be None or >= 1, got {stream_elements}")
+        self.model = model
+        self.chunk_size = int(chunk_size)
+        self.restore_mode = restore
+        self.update_precision = update_precision
+        self.stream_elements = None if stream_elements is None else int(stream_elements)
+        self.parameters = self._select(model, _as_patterns("include", include), _as_patterns("exclude", exclude))
+        self._pending: _Perturbation | None = None
+        self._host_buffers: dict[tuple[int, int], torch.Tensor] = {}
+        if restore == "subtract":
+            warnings.warn(
+                "restore='subtract' undoes each perturbation by adding -sigma * eps: floating-point rounding makes "
+                "it inexact, so the weights drift; use 'device' or 'host' for an exact restore",
+                stacklevel=2,
+            )
+
+    def _select(
+        self, model: torch.nn.Module, include: tuple[str, ...] | None, exclude: tuple[str, ...] | None
+    ) -> list[TrainableParameter]:
+        selected: list[TrainableParameter] = []
+        names_by_id: dict[int, str] = {}
+        for name, param in model.named_parameters():  # remove_duplicate=True: a tied weight appears once
+            if (include is not None and not _matches(name, include)) or (exclude and _matches(name, exclude)):
+                continue
+            if param.dtype not in SUPPORTED_DTYPES:
+                raise ValueError(f"parameter {name!r} is {param.dtype}; ES supports {SUPPORTED_DTYPES} (exclude it)")
+            if not param.is_contiguous():
+                raise ValueError(f"parameter {name!r} is not contiguous; make it contiguous or exclude it")
+            tensor_id = tensor_id_for(name)
+            if tensor_id in names_by_id:
+                raise ValueError(
+                    f"parameters {names_by_id[tensor_id]!r} and {name!r} share tensor_id {tensor_id:#010x} "
+                    "(CRC-32 collision) and would receive identical noise: exclude or rename one of them"
+                )
+            names_by_id[tensor_id] = name
+            selected.append(self._make_parameter(name, param.detach(), tensor_id))
+        if not selected:
+            raise ValueError(f"include={include!r} / exclude={exclude!r} select no parameter of the model")
+        return selected
+
+    def _make_parameter(self, name: str, data: torch.Tensor, tensor_id: int) -> TrainableParameter:
+        if data.dtype == torch.float32:
+            precision = "native"
+        else:
+            precision = "stochastic" if self.update_precision == "auto" else self.update_precision
+        master = None
+        if precision == "master_device":
+            master = data.to(torch.float32, copy=True)
+        elif precision == "master_host":
+            master = torch.empty(data.shape, dtype=torch.float32, pin_memory=data.is_cuda).copy_(data)
+        return TrainableParameter(name, data, tensor_id, precision, master)
+
+    # ---------------------------------------------------------------- layout
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.parameters]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.parameters)
+
+    @property
+    def chunk_counts(self) -> list[int]:
+        return [ck.num_chunks(p.numel, self.chunk_size) for p in self.parameters]
+
+    def _total_chunks(self, chunk_size: int) -> int:
+        return sum(ck.num_chunks(p.numel, chunk_size) for p in self.parameters)
+
+    def fit_chunk_size(self, num_subspaces: int) -> int:
+        """Make sure there are at least `num_subspaces` chunks, so every subspace is non-empty.
+
+        When there are too few, the chunk size shrinks (with a warning) to the largest one that yields enough;
+        a model with fewer elements than subspaces cannot be split at all (ValueError). Returns the chunk size.
+        """
+        if self._total_chunks(self.chunk_size) >= num_subspaces:
+            return self.chunk_size
+        if self.numel < num_subspaces:
+            raise ValueError(
+                f"num_subspaces={num_subspaces} exceeds the {self.numel} trainable elements: even 1-element chunks "
+                "cannot give every subspace one"
+            )
+        # The chunk count never grows with the chunk size: binary-search the largest size that still gives K.
+        low, high = 1, self.chunk_size - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._total_chunks(middle) >= num_subspaces:
+                low = middle
+            else:
+                high = middle - 1
+        warnings.warn(
+            f"chunk_size={self.chunk_size} gives {self._total_chunks(self.chunk_size)} chunks for "
+            f"num_subspaces={num_subspaces}; using chunk_size={low} instead",
+            stacklevel=2,
+        )
+        self.chunk_size = low
+        return low
+
+    def partition(self, seed: int, num_subspaces: int) -> list[torch.Tensor]:
+        """Chunk -> subspace maps (int16), one per parameter, each on its parameter's device."""
+        parts = ck.make_partition(self.chunk_counts, num_subspaces=num_subspaces, seed=seed)
+        return [part.to(p.data.device) for part, p in zip(parts, self.parameters)]
+
+    def _slices(self) -> Iterator[tuple[int, TrainableParameter, int, torch.Tensor]]:
+        """(parameter index, parameter, offset, flat contiguous view) for every slice of every parameter."""
+        for index, param in enumerate(self.parameters):
+            flat = param.data.view(-1)
+            step = self.stream_elements or max(flat.numel(), 1)
+            for offset in range(0, flat.numel(), step):
+                yield index, param, offset, flat[offset : offset + step]
+
+    def _layout(self, partition: list[torch.Tensor], index: int, subspace: int, offset: int) -> dict[str, Any]:
+        return dict(chunk_subspace=partition[index], subspace=subspace, chunk_size=self.chunk_size, offset=offset)
+
+    def synchronize(self) -> None:
+        """Wait for queued kernels on every CUDA device holding a parameter (for honest phase timings)."""
+        for device in {p.data.device for p in self.parameters if p.data.is_cuda}:
+            torch.cuda.synchronize(device)
+
+    # ---------------------------------------------------------------- perturb / restore
+
+    def perturb(self, partition: list[torch.Tensor], *, seed: int, member: int, subspace: int, sigma: float) -> None:
+        """w += sigma * eps_member on the chunks of `subspace`, keeping what restore() needs to undo it."""
+        if self._pending is not None:
+            raise RuntimeError("perturb() called while another perturbation is applied; call restore() first")
+        backups: list[torch.Tensor] = []
+        for index, param, offset, view in self._slices():
+            layout = self._layout(partition, index, subspace, offset)
+            if self.restore_mode != "subtract":
+                packed = ck.backup_chunks(view, **layout)
+                backups.append(self._to_host(index, offset, packed) if self.restore_mode == "host" else packed)
+            ck.perturb_(view, seed=seed, member=member, tensor_id=param.tensor_id, sigma=sigma, **layout)
+        self._pending = _Perturbation(partition, seed, member, subspace, sigma, backups)
+
+    def _to_host(self, index: int, offset: int, packed: torch.Tensor) -> torch.Tensor:
+        """Copy a packed backup into this slice's reusable host buffer (pinned memory is costly to allocate)."""
+        buffer = self._host_buffers.get((index, offset))
+        if buffer is None:
+            # Sized for the whole slice, the most any subspace can own, so it is allocated once.
+            numel = self.parameters[index].numel
+            slice_numel = min(self.stream_elements or numel, numel - offset)
+            buffer = torch.empty(slice_numel, dtype=packed.dtype, pin_memory=packed.is_cuda)
+            self._host_buffers[(index, offset)] = buffer
+        host = buffer[: packed.numel()]
+        # Stream order guarantees the copy lands before restore's upload, which runs on the same stream.
+        host.copy_(packed, non_blocking=True)
+        return host
+
+    def restore(self) -> None:
+        """Undo the applied perturbation (bit-exact for "device" and "host")."""
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("restore() called without an applied perturbation")
+        backups = iter(pending.backups)
+        for index, param, offset, view in self._slices():
+            layout = self._layout(pending.partition, index, pending.subspace, offset)
+            if self.restore_mode == "subtract":
+                ck.perturb_(
+                    view, seed=pending.seed, member=pending.member, tensor_id=param.tensor_id, sigma=-pending.sigma,
+                    **layout,
+                )
+            else:
+                ck.restore_chunks_(view, next(backups), **layout)
+        self._pending = None
+
+    # ---------------------------------------------------------------- update
+
+    def apply_update(
+        self,
+        partition: list[torch.Tensor],
+        *,
+        seed: int,
+        members: Sequence[int] | torch.Tensor,
+        coeffs: Sequence[float] | torch.Tensor,
+        member_subspaces: Sequence[int] | torch.Tensor,
+        rule: UpdateRule | None = None,
+    ) -> float:
+        """Add sum_j coeffs[j] * P_{member_subspaces[j]} eps_{members[j]} to the weights (or, with `rule`,
+        materialise that sum per slice in fp32 as a gradient estimate and add `rule(index, offset, g)`).
+
+        Never holds a full-size noise tensor. Returns the L2 norm of the change actually applied to the
+        trainable weights (to the fp32 masters where there are any), measured slice by slice as
+        ||after - before||: exact, and it includes rounding (a lost sub-ulp step counts as zero).
+        """
+        if self._pending is not None:
+            raise RuntimeError("apply_update() called while a perturbation is applied; call restore() first")
+        if rule is not None and any(p.precision == "stochastic" for p in self.parameters):
+            raise ValueError(
+                "update_precision='stochastic' only supports the plain (SGD) update; use a master precision for an "
+                "update rule such as Adam"
+            )
+        squared_norm = 0.0
+        for index, param, offset, view in self._slices():
+            target = self._update_target(param, offset, view)
+            before = target.clone()
+            noise = dict(
+                seed=seed, members=members, tensor_id=param.tensor_id, offset=offset,
+                chunk_subspace=partition[index], member_subspaces=member_subspaces, chunk_size=self.chunk_size,
+            )
+            if rule is None:
+                rounding = "stochastic" if param.precision == "stochastic" else "nearest"
+                ck.accumulate_(target, coeffs=coeffs, rounding=rounding, **noise)
+            else:
+                gradient = torch.zeros(view.numel(), dtype=torch.float32, device=view.device)
+                ck.accumulate_(gradient, coeffs=coeffs, **noise)
+                target.add_(rule(index, offset, gradient))
+            squared_norm += float(torch.linalg.vector_norm(target.float() - before.float(), dtype=torch.float64)) ** 2
+            if param.master is not None:
+                if param.precision == "master_host":
+                    param.master.view(-1)[offset : offset + view.numel()].copy_(target)
+                view.copy_(target)
+        return math.sqrt(squared_norm)
+
+    def _update_target(self, param: TrainableParameter, offset: int, view: torch.Tensor) -> torch.Tensor:
+        """Where this slice's update is accumulated: the weights, the device master, or a staged host master."""
+        if param.master is None:
+            return view
+        master = param.master.view(-1)[offset : offset + view.numel()]
+        return master if param.precision == "master_device" else master.to(view.device)
