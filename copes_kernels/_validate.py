@@ -33,6 +33,14 @@ def check_finite(name: str, value: float) -> None:
         raise ValueError(f"{name} must be finite, got {value}")
 
 
+def check_normal_args(n: int, *, seed: int, member: int, tensor_id: int, offset: int) -> None:
+    if int(n) < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if int(offset) < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    check_stream_ids(seed, member, tensor_id)
+
+
 def check_rounding(rounding: str, target: torch.Tensor) -> None:
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
@@ -95,6 +103,27 @@ def check_perturb_args(
     check_stream_ids(seed, member, tensor_id)
     check_finite("sigma", sigma)
     check_chunking(dst, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+
+
+def check_restore_args(
+    dst: torch.Tensor,
+    backup: torch.Tensor,
+    *,
+    offset: int,
+    chunk_subspace: torch.Tensor,
+    subspace: int,
+    chunk_size: int,
+) -> None:
+    check_storage("dst", dst)
+    check_storage("backup", backup)
+    check_chunking(dst, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+    if backup.dtype != dst.dtype:
+        raise ValueError(f"backup is {backup.dtype} but dst is {dst.dtype}")
+
+
+def check_backup_size(backup: torch.Tensor, *, expected: int, subspace: int) -> None:
+    if backup.numel() != expected:
+        raise ValueError(f"backup has {backup.numel()} elements but subspace {subspace} covers {expected} here")
 
 
 def as_members_and_coeffs(
@@ -163,3 +192,39 @@ def check_lowrank_factors(A: torch.Tensor, B: torch.Tensor, out_features: int, i
 def check_rank(rank: int) -> None:
     if int(rank) < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
+
+
+def check_factor_request(*, seed: int, tensor_id: int, out_features: int, in_features: int, rank: int) -> None:
+    check_rank(rank)
+    if out_features < 1 or in_features < 1:
+        raise ValueError(f"out_features and in_features must be >= 1, got {out_features}, {in_features}")
+    check_stream_ids(seed, 0, tensor_id)
+
+
+def as_member_list(member: int | Sequence[int] | torch.Tensor) -> tuple[list[int], bool]:
+    """(members, single): an int member means unbatched factors, a sequence batched ones."""
+    single = isinstance(member, int)
+    members = [member] if single else torch.as_tensor(member).reshape(-1).tolist()
+    for m in members:
+        if not 0 <= int(m) <= MASK32:
+            raise ValueError(f"member must be a uint32, got {m}")
+    return members, single
+
+
+def check_lowrank_linear_args(
+    x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, row_member: torch.Tensor, sigma: float
+) -> int:
+    """Shapes, dtypes and devices of a batched population forward; returns the rank."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out, in], got {tuple(weight.shape)}")
+    if x.dim() < 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x must be [batch, ..., {weight.shape[1]}], got {tuple(x.shape)}")
+    rank = check_lowrank_factors(A, B, weight.shape[0], weight.shape[1])
+    if row_member.dtype != torch.int64 or row_member.shape != (x.shape[0],):
+        raise ValueError(f"row_member must be int64 of shape ({x.shape[0]},), got {row_member.dtype} {tuple(row_member.shape)}")
+    for name, t in (("A", A), ("B", B), ("row_member", row_member), ("weight", weight)):
+        check_same_device(name, t, x, "x")
+    if row_member.numel() and (int(row_member.min()) < 0 or int(row_member.max()) >= A.shape[0]):
+        raise ValueError(f"row_member values must index the population of {A.shape[0]}")
+    check_finite("sigma", sigma)
+    return rank

@@ -52,6 +52,20 @@ def make_partition(
     return [part.to(device) for part in assignment.split(counts)]
 
 
+def chunk_span(numel: int, *, offset: int, chunk_size: int) -> tuple[int, int]:
+    """First and last chunk touched by the slice [offset, offset + numel) (numel > 0)."""
+    return offset // chunk_size, (offset + numel - 1) // chunk_size
+
+
+def chunk_runs(
+    chunks: torch.Tensor, *, numel: int, offset: int, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global [start, stop) element bounds (int64, on chunks' device) of each chunk's part of the slice."""
+    starts = torch.clamp(chunks * chunk_size, min=offset)
+    stops = torch.clamp((chunks + 1) * chunk_size, max=offset + numel)
+    return starts, stops
+
+
 def selected_runs(
     numel: int, *, offset: int, chunk_subspace: torch.Tensor | None, subspace: int | None, chunk_size: int
 ) -> list[tuple[int, int]]:
@@ -63,7 +77,7 @@ def selected_runs(
         return []
     if chunk_subspace is None:
         return [(0, numel)]
-    first, last = offset // chunk_size, (offset + numel - 1) // chunk_size
+    first, last = chunk_span(numel, offset=offset, chunk_size=chunk_size)
     selected = (chunk_subspace[first : last + 1].to("cpu", torch.int64) == int(subspace)).tolist()
     runs: list[tuple[int, int]] = []
     for k, is_selected in enumerate(selected):

@@ -68,6 +68,7 @@ def _store(
 def normal(
     n: int, *, seed: int, member: int, tensor_id: int, offset: int = 0, device: torch.device | str | None = None
 ) -> torch.Tensor:
+    v.check_normal_args(n, seed=seed, member=member, tensor_id=tensor_id, offset=offset)
     return normal_stream(n, seed=seed, member=member, tensor_id=tensor_id, offset=offset, device=device)
 
 
@@ -167,15 +168,9 @@ def restore_chunks_(
     offset: int = 0,
 ) -> torch.Tensor:
     """Write a `backup_chunks` copy back into its chunks: the exact inverse, bit for bit."""
-    v.check_storage("dst", dst)
-    v.check_storage("backup", backup)
-    v.check_chunking(dst, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
-    if backup.dtype != dst.dtype:
-        raise ValueError(f"backup is {backup.dtype} but dst is {dst.dtype}")
+    v.check_restore_args(dst, backup, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
     runs = selected_runs(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
-    expected = sum(stop - start for start, stop in runs)
-    if backup.numel() != expected:
-        raise ValueError(f"backup has {backup.numel()} elements but subspace {subspace} covers {expected} here")
+    v.check_backup_size(backup, expected=sum(stop - start for start, stop in runs), subspace=subspace)
     flat, packed, cursor = dst.view(-1), backup.view(-1).to(dst.device), 0
     for start, stop in runs:
         flat[start:stop] = packed[cursor : cursor + stop - start]
@@ -197,11 +192,8 @@ def lowrank_factors(
 
     An int member gives A [m, r], B [n, r]; a sequence of members gives [P, m, r], [P, n, r].
     """
-    v.check_rank(rank)
-    if out_features < 1 or in_features < 1:
-        raise ValueError(f"out_features and in_features must be >= 1, got {out_features}, {in_features}")
-    single = isinstance(member, int)
-    member_list = [member] if single else torch.as_tensor(member).reshape(-1).tolist()
+    v.check_factor_request(seed=seed, tensor_id=tensor_id, out_features=out_features, in_features=in_features, rank=rank)
+    member_list, single = v.as_member_list(member)
     a_size, b_size = out_features * rank, in_features * rank
     streams = [
         normal_stream(a_size + b_size, seed=seed, member=m, tensor_id=tensor_id, device=device) for m in member_list
@@ -225,7 +217,7 @@ def lowrank_linear(
 
     One base GEMM for the whole batch plus a rank-r correction per row: (x B_m) A_m^T, in float32.
     """
-    rank = _check_lowrank_linear(x, weight, A, B, row_member)
+    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma)
     base = F.linear(x, weight, bias)
     x_rows = x.reshape(x.shape[0], -1, x.shape[-1]).float()  # [batch, tokens, in]
     projected = torch.bmm(x_rows, B[row_member])  # [batch, tokens, r]
@@ -233,19 +225,24 @@ def lowrank_linear(
     return (base.float() + (float(sigma) / math.sqrt(rank)) * correction.view(base.shape)).to(base.dtype)
 
 
-def _check_lowrank_linear(x, weight, A, B, row_member) -> int:
+def lowrank_updated(
+    weight: torch.Tensor, *, A: torch.Tensor, B: torch.Tensor, coeffs: Sequence[float] | torch.Tensor, scale: float, rounding: str
+) -> torch.Tensor:
+    """Validated float32 weight + scale * sum_j coeffs[j] A_j B_j^T, as one GEMM over the stacked factors [m, P r] x [P r, n]."""
+    v.check_storage("weight", weight)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out, in], got {tuple(weight.shape)}")
-    if x.dim() < 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x must be [batch, ..., {weight.shape[1]}], got {tuple(x.shape)}")
-    rank = v.check_lowrank_factors(A, B, weight.shape[0], weight.shape[1])
-    if row_member.dtype != torch.int64 or row_member.shape != (x.shape[0],):
-        raise ValueError(f"row_member must be int64 of shape ({x.shape[0]},), got {row_member.dtype} {tuple(row_member.shape)}")
-    if row_member.numel() and (int(row_member.min()) < 0 or int(row_member.max()) >= A.shape[0]):
-        raise ValueError(f"row_member values must index the population of {A.shape[0]}")
-    for name, t in (("A", A), ("B", B), ("row_member", row_member), ("weight", weight)):
-        v.check_same_device(name, t, x, "x")
-    return rank
+    v.check_rounding(rounding, weight)
+    v.check_finite("scale", scale)
+    v.check_lowrank_factors(A, B, weight.shape[0], weight.shape[1])
+    coeffs_t = torch.as_tensor(coeffs, dtype=torch.float32, device=weight.device).reshape(-1)
+    if coeffs_t.numel() != A.shape[0]:
+        raise ValueError(f"coeffs has {coeffs_t.numel()} entries but the population has {A.shape[0]}")
+    if not bool(torch.isfinite(coeffs_t).all()):
+        raise ValueError("coeffs must be finite")
+    weighted_A = (A * coeffs_t[:, None, None]).permute(1, 0, 2).reshape(A.shape[1], -1)  # [m, P r]
+    stacked_B = B.permute(1, 0, 2).reshape(B.shape[1], -1)  # [n, P r]
+    return weight.float() + float(scale) * (weighted_A @ stacked_B.T)
 
 
 def lowrank_accumulate_(
@@ -263,17 +260,6 @@ def lowrank_accumulate_(
 
     `seed` and `tensor_id` only key the stochastic rounding stream.
     """
-    v.check_storage("weight", weight)
-    v.check_rounding(rounding, weight)
-    v.check_finite("scale", scale)
-    v.check_lowrank_factors(A, B, weight.shape[0], weight.shape[1])
-    coeffs_t = torch.as_tensor(coeffs, dtype=torch.float32, device=weight.device).reshape(-1)
-    if coeffs_t.numel() != A.shape[0]:
-        raise ValueError(f"coeffs has {coeffs_t.numel()} entries but the population has {A.shape[0]}")
-    if not bool(torch.isfinite(coeffs_t).all()):
-        raise ValueError("coeffs must be finite")
-    weighted_A = (A * coeffs_t[:, None, None]).permute(1, 0, 2).reshape(A.shape[1], -1)  # [m, P r]
-    stacked_B = B.permute(1, 0, 2).reshape(B.shape[1], -1)  # [n, P r]
-    updated = weight.float() + float(scale) * (weighted_A @ stacked_B.T)
+    updated = lowrank_updated(weight, A=A, B=B, coeffs=coeffs, scale=scale, rounding=rounding)
     _store(weight.view(-1), updated.view(-1), rounding=rounding, seed=seed, tensor_id=tensor_id, offset=0)
     return weight

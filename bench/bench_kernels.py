@@ -1,0 +1,258 @@
+"""Kernel microbenchmarks: every copes_kernels op against the naive PyTorch way, timed in the same run.
+
+The naive baseline is what ES code without a noise contract does: a per-tensor seeded `torch.randn` materialised
+in full, then a (masked) add; a low-rank member's weight materialised before its GEMM. Timing: pytest-benchmark
+on CPU (the reference backend, the real CPU training path), triton.testing.do_bench on CUDA (the Triton kernels).
+GB/s counts the bytes an op must move at least (the same count for both implementations), so the GB/s ratio is
+the speed-up. Prints a table and writes bench/results/kernels_<device>.csv.
+
+    python bench/bench_kernels.py                  # or: pytest bench/bench_kernels.py
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import copes_kernels as ck
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+IMPLEMENTATIONS = ("copes", "naive")
+# The CPU ops take 0.1-600 ms each: five timed rounds after one warm-up, and the fastest one is reported, since a
+# shared machine only ever adds time (GPU timings are do_bench medians).
+CPU_ROUNDS = 5
+SUBSPACES, POPULATION, SIGMA = 4, 40, 1e-3  # the paper's CoPES defaults
+
+
+@dataclass(frozen=True)
+class Sizes:
+    numel: int  # elements of the perturbed / updated parameter
+    dtype: torch.dtype
+    batch: int  # low-rank population forward: rows (one member each), tokens per row, square weight, rank
+    tokens: int
+    features: int
+    rank: int
+
+
+# CPU: a ~2M-element fp32 parameter, the size profiled for the reference. GPU: a 64M-element bf16 parameter
+# (a 4B-model's MLP matrix) and a 4096-wide layer with 64 members.
+SIZES = {
+    "cpu": Sizes(numel=1 << 21, dtype=torch.float32, batch=16, tokens=8, features=512, rank=4),
+    "cuda": Sizes(numel=1 << 26, dtype=torch.bfloat16, batch=64, tokens=64, features=4096, rank=4),
+}
+
+
+@dataclass
+class Case:
+    elements: int  # output elements per call
+    bytes_moved: int  # the least traffic the op needs (reads + writes)
+    copes: Callable[[], object]
+    naive: Callable[[], object]
+
+
+@dataclass
+class Row:
+    op: str
+    implementation: str
+    milliseconds: float
+    elements: int
+    bytes_moved: int
+
+    @property
+    def elements_per_second(self) -> float:
+        return self.elements / (self.milliseconds * 1e-3)
+
+    @property
+    def gigabytes_per_second(self) -> float:
+        return self.bytes_moved / (self.milliseconds * 1e-3) / 1e9
+
+
+def seeded_randn(shape: tuple[int, ...] | int, *, seed: int, member: int, tensor_id: int) -> torch.Tensor:
+    """The naive eps: a generator seeded per (seed, member, tensor) and a full-size float32 draw."""
+    generator = torch.Generator(device=DEVICE).manual_seed(hash((seed, member, tensor_id)) & (2**63 - 1))
+    return torch.randn(shape, generator=generator, device=DEVICE)
+
+
+def element_masks(chunk_subspace: torch.Tensor, numel: int, chunk_size: int) -> list[torch.Tensor]:
+    """Per-subspace element masks, built once per step the way masked-add ES code caches them."""
+    owner = chunk_subspace.long().repeat_interleave(chunk_size)[:numel]
+    return [owner == k for k in range(SUBSPACES)]
+
+
+def build_cases(sizes: Sizes) -> dict[str, Case]:
+    n, dtype, element_size = sizes.numel, sizes.dtype, torch.tensor([], dtype=sizes.dtype).element_size()
+    ids = dict(seed=7, tensor_id=3)
+    x = torch.randn(n, device=DEVICE).to(dtype)
+    chunks = ck.num_chunks(n, ck.DEFAULT_CHUNK_SIZE)
+    chunk_subspace = ck.make_partition([chunks], num_subspaces=SUBSPACES, seed=7, device=DEVICE)[0]
+    masks = element_masks(chunk_subspace, n, ck.DEFAULT_CHUNK_SIZE)
+    selected = int(masks[0].sum())
+    chunking = dict(chunk_subspace=chunk_subspace, subspace=0)
+    backup = ck.backup_chunks(x, **chunking)
+    members = list(range(POPULATION))
+    coeffs = torch.linspace(-1, 1, POPULATION).tolist()
+    member_subspaces = [j * SUBSPACES // POPULATION for j in members]
+
+    def naive_accumulate() -> None:
+        update = torch.zeros(n, device=DEVICE)
+        for member, coeff, subspace in zip(members, coeffs, member_subspaces):
+            update.add_(seeded_randn(n, member=member, **ids) * masks[subspace], alpha=coeff)
+        x.add_(update)
+
+    m = in_features = sizes.features
+    rows, tokens, rank = sizes.batch, sizes.tokens, sizes.rank
+    weight = (torch.randn(m, in_features, device=DEVICE) / math.sqrt(in_features)).to(dtype)
+    activations = torch.randn(rows, tokens, in_features, device=DEVICE).to(dtype)
+    factor_members = list(range(rows))
+    factor_coeffs = torch.linspace(-1, 1, rows).tolist()
+    shape = dict(out_features=m, in_features=in_features, rank=rank, device=DEVICE)
+    A, B = ck.lowrank_factors(member=factor_members, **shape, **ids)
+    row_member = torch.arange(rows, device=DEVICE)
+    lowrank_scale = SIGMA / math.sqrt(rank)
+
+    def naive_lowrank_linear() -> torch.Tensor:
+        outputs = [
+            torch.nn.functional.linear(activations[b], (weight.float() + lowrank_scale * A[b] @ B[b].T).to(dtype))
+            for b in range(rows)
+        ]
+        return torch.stack(outputs)
+
+    def naive_lowrank_accumulate() -> None:
+        update = torch.zeros(m, in_features, device=DEVICE)
+        for j, coeff in enumerate(factor_coeffs):
+            update.addmm_(A[j], B[j].T, alpha=coeff * SIGMA)
+        weight.add_(update.to(dtype))
+
+    factor_bytes = rows * (m + in_features) * rank * 4
+    return {
+        "normal": Case(
+            n, 4 * n, lambda: ck.normal(n, member=1, device=DEVICE, **ids), lambda: seeded_randn(n, member=1, **ids)
+        ),
+        "perturb_": Case(
+            n, 2 * n * element_size,
+            lambda: ck.perturb_(x, member=1, sigma=SIGMA, **ids),
+            lambda: x.add_(seeded_randn(n, member=1, **ids), alpha=SIGMA),
+        ),
+        "perturb_ subspace": Case(
+            selected, 2 * selected * element_size,
+            lambda: ck.perturb_(x, member=1, sigma=math.sqrt(SUBSPACES) * SIGMA, **chunking, **ids),
+            lambda: x.add_(seeded_randn(n, member=1, **ids) * masks[0], alpha=math.sqrt(SUBSPACES) * SIGMA),
+        ),
+        "backup_chunks": Case(
+            selected, 2 * selected * element_size, lambda: ck.backup_chunks(x, **chunking), lambda: x[masks[0]]
+        ),
+        "restore_chunks_": Case(
+            selected, 2 * selected * element_size,
+            lambda: ck.restore_chunks_(x, backup, **chunking),
+            lambda: x.masked_scatter_(masks[0], backup),
+        ),
+        "accumulate_": Case(
+            n, 2 * n * element_size,
+            lambda: ck.accumulate_(x, members=members, coeffs=coeffs, chunk_subspace=chunk_subspace,
+                                   member_subspaces=member_subspaces, **ids),
+            naive_accumulate,
+        ),
+        "lowrank_factors": Case(
+            factor_bytes // 4, factor_bytes,
+            lambda: ck.lowrank_factors(member=factor_members, **shape, **ids),
+            lambda: [seeded_randn((m + in_features) * rank, member=j, **ids) for j in factor_members],
+        ),
+        "lowrank_linear": Case(
+            rows * tokens * m, (rows * tokens * (in_features + m) + m * in_features) * element_size,
+            lambda: ck.lowrank_linear(activations, weight, None, A=A, B=B, row_member=row_member, sigma=SIGMA),
+            naive_lowrank_linear,
+        ),
+        "lowrank_accumulate_": Case(
+            m * in_features, 2 * m * in_features * element_size,
+            lambda: ck.lowrank_accumulate_(weight, A=A, B=B, coeffs=factor_coeffs, scale=SIGMA),
+            naive_lowrank_accumulate,
+        ),
+    }
+
+
+OPS = ("normal", "perturb_", "perturb_ subspace", "backup_chunks", "restore_chunks_", "accumulate_",
+       "lowrank_factors", "lowrank_linear", "lowrank_accumulate_")
+
+
+def device_label() -> str:
+    if DEVICE.type == "cpu":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(DEVICE).lower()).strip("-")
+
+
+def report(rows: list[Row], write_line: Callable[[str], None]) -> Path:
+    """Print the table (speed-up = naive time / copes time) and write the CSV."""
+    by_key = {(row.op, row.implementation): row for row in rows}
+    label = device_label()
+    path = RESULTS_DIR / f"kernels_{label}.csv"
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    sizes = SIZES[DEVICE.type]
+    threads = f", {torch.get_num_threads()} CPU threads" if DEVICE.type == "cpu" else ""
+    parameter = f"a {sizes.numel}-element {str(sizes.dtype).removeprefix('torch.')} parameter{threads}"
+    write_line(f"\nkernels on {label} ({parameter}; speed-up = naive / copes)")
+    write_line(f"{'op':20s} {'impl':6s} {'ms':>10s} {'Melem/s':>10s} {'GB/s':>8s} {'speed-up':>9s}")
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(
+            ["device", "op", "implementation", "ms", "elements_per_s", "gb_per_s", "speedup_vs_naive", "dtype"]
+        )
+        for row in rows:
+            naive = by_key.get((row.op, "naive"))
+            speedup = naive.milliseconds / row.milliseconds if naive else float("nan")
+            write_line(
+                f"{row.op:20s} {row.implementation:6s} {row.milliseconds:10.3f} {row.elements_per_second / 1e6:10.1f} "
+                f"{row.gigabytes_per_second:8.2f} {speedup:9.2f}"
+            )
+            writer.writerow([
+                label, row.op, row.implementation, f"{row.milliseconds:.4f}", f"{row.elements_per_second:.4g}",
+                f"{row.gigabytes_per_second:.4g}", f"{speedup:.3f}", str(sizes.dtype).removeprefix("torch."),
+            ])
+    write_line(f"wrote {path}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict[str, Case]:
+    return build_cases(SIZES[DEVICE.type])
+
+
+@pytest.fixture(scope="module")
+def results(request: pytest.FixtureRequest):
+    rows: list[Row] = []
+    yield rows
+    ordered = sorted(rows, key=lambda row: (OPS.index(row.op), row.implementation))
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # the table shows without -s
+        report(ordered, print)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("op", OPS)
+def test_kernel_speed(
+    op: str, implementation: str, cases: dict[str, Case], results: list[Row], request: pytest.FixtureRequest
+) -> None:
+    case = cases[op]
+    run = case.copes if implementation == "copes" else case.naive
+    if DEVICE.type == "cuda":
+        import triton.testing
+
+        milliseconds = triton.testing.do_bench(run, return_mode="median")
+    else:
+        benchmark = request.getfixturevalue("benchmark")
+        benchmark.group = op
+        benchmark.pedantic(run, rounds=CPU_ROUNDS, warmup_rounds=1)
+        milliseconds = benchmark.stats.stats.min * 1e3
+    results.append(Row(op, implementation, milliseconds, case.elements, case.bytes_moved))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-p", "no:cacheprovider", *sys.argv[1:]]))

@@ -1,0 +1,166 @@
+"""EGGROLL low-rank ES: factors from the noise stream, the batched population forward, the one-GEMM update.
+
+    A_j = eps_j[0 : m r] as [m, r],  B_j = eps_j[m r : (m + n) r] as [n, r]           (stream of seed, member j, tensor)
+    y_b = x_b W^T + bias + sigma / sqrt(r) * (x_b B_j) A_j^T,   j = row_member[b]   (weights never modified)
+    W  += scale * sum_j coeffs[j] A_j B_j^T = scale * [A_1 c_1 ... A_P c_P] [B_1 ... B_P]^T   (one GEMM)
+
+The forward runs one base GEMM for the whole batch with torch, then one Triton program per (row, token tile)
+projects its tokens onto B_j (a [tokens, r] float32 tile kept in registers) and streams A_j over the output
+columns, adding the correction to the base output in place. The rank is padded to 16 because tl.dot needs
+at least 16 along every dimension; padded columns load as zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from copes_kernels import _validate as v
+from copes_kernels.perturb import to_storage
+from copes_kernels.reference import lowrank_updated
+from copes_kernels.triton_rng import fill_normal_rows_
+from copes_kernels.update import store_stochastic_
+
+MIN_DOT = 16  # tl.dot's smallest tile side
+# Input columns per step of the projection and output columns per step of the correction: 64 fp32 columns of a
+# 16-token tile is a 4 KB operand, small enough to double-buffer and large enough to keep loads coalesced.
+BLOCK_IN = 64
+BLOCK_OUT = 64
+MAX_TOKEN_TILE = 64  # prefill tiles: reuse each loaded factor tile across 64 tokens
+
+
+@triton.jit
+def _lowrank_correction_kernel(
+    out_ptr,
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    row_member_ptr,
+    tokens,
+    in_features,
+    out_features,
+    rank,
+    scale,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    RANK: tl.constexpr,
+):
+    """out[b, t, :] += scale * (x[b, t, :] B_m) A_m^T for one row b (member m) and BLOCK_T of its tokens."""
+    pid = tl.program_id(0).to(tl.int64)
+    token_tiles = tl.cdiv(tokens, BLOCK_T)
+    row = pid // token_tiles
+    token = (pid % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    token_mask = token < tokens
+    member = tl.load(row_member_ptr + row)
+    r = tl.arange(0, RANK)
+    rank_mask = r < rank
+
+    x_rows = x_ptr + (row * tokens + token) * in_features
+    b_member = b_ptr + member * in_features * rank
+    projected = tl.zeros([BLOCK_T, RANK], dtype=tl.float32)
+    for k_start in range(0, in_features, BLOCK_K):
+        k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = k < in_features
+        x = tl.load(x_rows[:, None] + k[None, :], mask=token_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_member + k[:, None] * rank + r[None, :], mask=k_mask[:, None] & rank_mask[None, :], other=0.0)
+        projected += tl.dot(x.to(tl.float32), b, input_precision="ieee")
+
+    out_rows = out_ptr + (row * tokens + token) * out_features
+    a_member = a_ptr + member * out_features * rank
+    for o_start in range(0, out_features, BLOCK_O):
+        o = o_start + tl.arange(0, BLOCK_O)
+        o_mask = o < out_features
+        a_t = tl.load(a_member + o[None, :] * rank + r[:, None], mask=rank_mask[:, None] & o_mask[None, :], other=0.0)
+        correction = tl.dot(projected, a_t, input_precision="ieee")  # [BLOCK_T, BLOCK_O]
+        mask = token_mask[:, None] & o_mask[None, :]
+        base = tl.load(out_rows[:, None] + o[None, :], mask=mask).to(tl.float32)
+        result = to_storage(base + scale * correction, out_ptr.dtype.element_ty)
+        tl.store(out_rows[:, None] + o[None, :], result, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------- host side
+
+
+def lowrank_factors(
+    *,
+    seed: int,
+    member: int | Sequence[int] | torch.Tensor,
+    tensor_id: int,
+    out_features: int,
+    in_features: int,
+    rank: int,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EGGROLL factors from the eps stream of (seed, member, tensor_id): A = eps[0 : m r] as [m, r], B the next n r.
+
+    An int member gives A [m, r], B [n, r]; a sequence of members gives [P, m, r], [P, n, r]. One launch per factor.
+    """
+    v.check_factor_request(
+        seed=seed, tensor_id=tensor_id, out_features=out_features, in_features=in_features, rank=rank
+    )
+    member_list, single = v.as_member_list(member)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    members = torch.tensor(member_list, dtype=torch.int64, device=device)
+    population = len(member_list)
+    A = torch.empty(population, out_features * rank, dtype=torch.float32, device=device)
+    B = torch.empty(population, in_features * rank, dtype=torch.float32, device=device)
+    fill_normal_rows_(A, members, seed=seed, tensor_id=tensor_id, offset=0)
+    fill_normal_rows_(B, members, seed=seed, tensor_id=tensor_id, offset=out_features * rank)
+    A, B = A.view(population, out_features, rank), B.view(population, in_features, rank)
+    return (A[0], B[0]) if single else (A, B)
+
+
+def lowrank_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    row_member: torch.Tensor,
+    sigma: float,
+) -> torch.Tensor:
+    """Row b of x (shape [batch, ..., in]) sees W + sigma / sqrt(r) * A_m B_m^T with m = row_member[b].
+
+    One base GEMM for the whole batch (torch) plus the per-row rank-r correction (one Triton launch).
+    """
+    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma)
+    out = F.linear(x, weight, bias).contiguous()
+    batch, out_features, in_features = x.shape[0], weight.shape[0], weight.shape[1]
+    tokens = out.numel() // max(batch * out_features, 1)
+    if out.numel() == 0:
+        return out
+    token_tile = min(MAX_TOKEN_TILE, max(MIN_DOT, triton.next_power_of_2(tokens)))
+    _lowrank_correction_kernel[(batch * triton.cdiv(tokens, token_tile),)](
+        out, x.contiguous(), A.contiguous(), B.contiguous(), row_member.contiguous(), tokens, in_features, out_features,
+        rank, float(sigma) / math.sqrt(rank), BLOCK_T=token_tile, BLOCK_K=BLOCK_IN, BLOCK_O=BLOCK_OUT,
+        RANK=max(MIN_DOT, triton.next_power_of_2(rank)),
+    )
+    return out
+
+
+def lowrank_accumulate_(
+    weight: torch.Tensor,
+    *,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    coeffs: Sequence[float] | torch.Tensor,
+    scale: float,
+    rounding: str = "nearest",
+    seed: int = 0,
+    tensor_id: int = 0,
+) -> torch.Tensor:
+    """weight += scale * sum_j coeffs[j] A_j B_j^T as one GEMM over the stacked factors [m, P r] x [P r, n].
+
+    `seed` and `tensor_id` only key the stochastic rounding stream (a Triton store kernel).
+    """
+    updated = lowrank_updated(weight, A=A, B=B, coeffs=coeffs, scale=scale, rounding=rounding)
+    if rounding == "stochastic":
+        return store_stochastic_(weight, updated, seed=seed, tensor_id=tensor_id)
+    return weight.copy_(updated)

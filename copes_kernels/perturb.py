@@ -1,0 +1,243 @@
+"""Fused perturbation of one member's subspace, and the packed backup/restore of that subspace.
+
+    perturb_ : dst[i] = src[i] + sigma * eps(offset + i)    for i in chunks c with chunk_subspace[c] == subspace
+    backup   : packed = concat(src[run] for each selected run)   (element order, 1/K of the tensor)
+    restore  : dst[run] = packed[...]                            (the exact inverse, bit for bit)
+
+The launch covers only the selected chunks: the host lists them (one nonzero over the partition) and each
+program owns one tile of one selected chunk, so chunks of other subspaces cost neither bandwidth nor programs.
+Each perturb tile regenerates the noise of its own Philox counters (element 4q + k <- word k of block q), loads
+src, adds in float32 and casts once at the store (`to_storage`: round to nearest even). Backup/restore move raw
+bits (integer views), so NaN payloads and signed zeros come back unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from copes_kernels import _validate as v
+from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
+from copes_kernels.triton_rng import (
+    STREAM_ARGS,
+    blocks_spanned,
+    int64_args,
+    int64_from_words,
+    noise_block,
+    normal_tile,
+    stream_args,
+)
+
+# Integer views for bit-exact copies, by element size.
+BIT_VIEWS = {2: torch.int16, 4: torch.int32}
+# bfloat16 quiet NaN, the pattern torch stores for any NaN.
+_BF16_NAN: tl.constexpr = tl.constexpr(0x7FC0)
+
+
+@triton.jit
+def to_storage(x, DTYPE: tl.constexpr):
+    """float32 -> storage dtype with round-to-nearest-even, the same bits as torch on every backend.
+
+    bfloat16 is rounded on the bits (add 0x7FFF plus the kept lowest bit, drop 16 bits): GPUs round this way
+    anyway, but Triton's CPU interpreter truncates float32 -> bfloat16.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True).to(tl.int64)
+        rounded = tl.where(x != x, _BF16_NAN, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit(do_not_specialize=STREAM_ARGS)
+def _perturb_kernel(
+    dst_ptr,
+    src_ptr,
+    run_starts_ptr,
+    run_stops_ptr,
+    tiles_per_run,
+    sigma,
+    seed_lo,
+    seed_hi,
+    member,
+    tensor_id,
+    offset_lo,
+    offset_hi,
+    BLOCK: tl.constexpr,
+):
+    """Program = (selected run, tile of BLOCK counters); runs hold global element bounds [start, stop)."""
+    pid = tl.program_id(0).to(tl.int64)
+    run = pid // tiles_per_run
+    tile = pid % tiles_per_run
+    start = tl.load(run_starts_ptr + run)
+    stop = tl.load(run_stops_ptr + run)
+    first_block = (start >> 2) + tile * BLOCK
+    element = 4 * first_block + tl.arange(0, 4 * BLOCK).to(tl.int64)
+    mask = (element >= start) & (element < stop)
+    local = element - int64_from_words(offset_lo, offset_hi)
+    eps = normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
+    x = tl.load(src_ptr + local, mask=mask).to(tl.float32)
+    tl.store(dst_ptr + local, to_storage(x + sigma * eps, dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_runs_kernel(
+    chunked_ptr, packed_ptr, run_starts_ptr, run_stops_ptr, packed_starts_ptr, tiles_per_run, TO_PACKED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Copy local runs [start, stop) of the chunked tensor to/from their packed positions."""
+    pid = tl.program_id(0).to(tl.int64)
+    run = pid // tiles_per_run
+    tile = pid % tiles_per_run
+    start = tl.load(run_starts_ptr + run)
+    stop = tl.load(run_stops_ptr + run)
+    chunked_index = start + tile * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    packed_index = tl.load(packed_starts_ptr + run) + chunked_index - start
+    mask = chunked_index < stop
+    if TO_PACKED:
+        tl.store(packed_ptr + packed_index, tl.load(chunked_ptr + chunked_index, mask=mask), mask=mask)
+    else:
+        tl.store(chunked_ptr + chunked_index, tl.load(packed_ptr + packed_index, mask=mask), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------- host side
+
+
+def selected_chunk_runs(
+    numel: int,
+    *,
+    offset: int,
+    chunk_subspace: torch.Tensor | None,
+    subspace: int | None,
+    chunk_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Global [start, stop) of each chunk of `subspace` inside the slice, and the longest run's length.
+
+    Without a partition the whole slice is one run; an empty slice has none.
+    """
+    if numel == 0:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, empty, 0
+    if chunk_subspace is None:
+        bounds = torch.tensor([[offset], [offset + numel]], dtype=torch.int64, device=device)
+        return bounds[0], bounds[1], numel
+    first, last = chunk_span(numel, offset=offset, chunk_size=chunk_size)
+    chunks = torch.nonzero(chunk_subspace[first : last + 1] == int(subspace)).view(-1) + first
+    starts, stops = chunk_runs(chunks, numel=numel, offset=offset, chunk_size=chunk_size)
+    return starts, stops, min(chunk_size, numel)
+
+
+def noise_tiles_per_run(longest: int, *, offset: int, chunk_size: int, device: torch.device) -> tuple[int, int]:
+    """(tiles per run, counters per tile) for noise kernels over runs of at most `longest` elements.
+
+    Short runs get a smaller power-of-two tile, so small chunks do not generate noise nobody stores.
+    """
+    aligned = offset % 4 == 0 and chunk_size % 4 == 0  # then every run starts on a Philox block boundary
+    counters = blocks_spanned(longest, aligned=aligned)
+    block = min(noise_block(device), triton.next_power_of_2(max(counters, 1)))
+    return triton.cdiv(counters, block), block
+
+
+def perturb_(
+    dst: torch.Tensor,
+    *,
+    seed: int,
+    member: int,
+    tensor_id: int,
+    sigma: float,
+    offset: int = 0,
+    src: torch.Tensor | None = None,
+    chunk_subspace: torch.Tensor | None = None,
+    subspace: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """dst[i] = src[i] + sigma * eps(offset + i) on the chunks of `subspace`; nothing else is read or written."""
+    v.check_perturb_args(
+        dst, src, seed=seed, member=member, tensor_id=tensor_id, sigma=sigma, offset=offset,
+        chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size,
+    )
+    starts, stops, longest = selected_chunk_runs(
+        dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size,
+        device=dst.device,
+    )
+    tiles, block = noise_tiles_per_run(longest, offset=offset, chunk_size=chunk_size, device=dst.device)
+    if starts.numel() and tiles:
+        _perturb_kernel[(starts.numel() * tiles,)](
+            dst, dst if src is None else src, starts, stops, tiles, float(sigma),
+            *stream_args(seed, member, tensor_id), *int64_args(offset), BLOCK=block,
+        )
+    return dst
+
+
+class PackedRuns(NamedTuple):
+    """Selected runs of a slice in local element indices, and where each lands in the packed backup."""
+
+    starts: torch.Tensor
+    stops: torch.Tensor
+    packed_starts: torch.Tensor
+    packed_size: int
+    longest: int
+
+
+def packed_runs(
+    chunked: torch.Tensor, *, offset: int, chunk_subspace: torch.Tensor, subspace: int, chunk_size: int
+) -> PackedRuns:
+    starts, stops, longest = selected_chunk_runs(
+        chunked.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size,
+        device=chunked.device,
+    )
+    lengths = stops - starts
+    packed_ends = torch.cumsum(lengths, 0)
+    packed_size = int(packed_ends[-1]) if lengths.numel() else 0  # a host sync the backup's allocation needs anyway
+    return PackedRuns(starts - offset, stops - offset, packed_ends - lengths, packed_size, longest)
+
+
+def _copy_runs(chunked: torch.Tensor, packed: torch.Tensor, runs: PackedRuns, *, to_packed: bool) -> None:
+    block = 4 * noise_block(chunked.device)  # elements per program, as many as a noise tile
+    tiles = triton.cdiv(runs.longest, block)
+    if runs.starts.numel() and tiles:
+        bits = BIT_VIEWS[chunked.element_size()]
+        _copy_runs_kernel[(runs.starts.numel() * tiles,)](
+            chunked.view(bits), packed.view(bits), runs.starts, runs.stops, runs.packed_starts, tiles,
+            TO_PACKED=to_packed, BLOCK=block,
+        )
+
+
+def backup_chunks(
+    src: torch.Tensor,
+    *,
+    chunk_subspace: torch.Tensor,
+    subspace: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    offset: int = 0,
+) -> torch.Tensor:
+    """A packed 1-D copy of the elements in `subspace`'s chunks (1/K of the tensor), in element order."""
+    v.check_storage("src", src)
+    v.check_chunking(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+    runs = packed_runs(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+    packed = src.new_empty(runs.packed_size)
+    _copy_runs(src, packed, runs, to_packed=True)
+    return packed
+
+
+def restore_chunks_(
+    dst: torch.Tensor,
+    backup: torch.Tensor,
+    *,
+    chunk_subspace: torch.Tensor,
+    subspace: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    offset: int = 0,
+) -> torch.Tensor:
+    """Write a `backup_chunks` copy back into its chunks: the exact inverse, bit for bit."""
+    v.check_restore_args(
+        dst, backup, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size
+    )
+    runs = packed_runs(dst, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+    v.check_backup_size(backup, expected=runs.packed_size, subspace=subspace)
+    _copy_runs(dst, backup.to(dst.device), runs, to_packed=False)
+    return dst
