@@ -1,0 +1,59 @@
+"""Config layering, YAML loading and validation: every mistake is one ConfigError sentence naming the option."""
+
+from pathlib import Path
+
+import pytest
+
+from copes.config import ConfigError, TrainConfig, build_config, read_yaml
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_defaults_are_the_papers_hyperparameters():
+    cfg = TrainConfig()
+    assert (cfg.population, cfg.subspaces, cfg.sigma, cfg.lr, cfg.prompt_batch) == (40, 4, 1e-3, 5e-4, 64)
+
+
+def test_later_layers_win_and_none_means_unset(tmp_path):
+    cfg = build_config({"population": 8, "subspaces": 2}, {"population": 12, "sigma": None}, {"lr": "0.01"})
+    assert (cfg.population, cfg.subspaces, cfg.sigma, cfg.lr) == (12, 2, 1e-3, 0.01)
+
+
+def test_es_is_copes_with_one_subspace():
+    assert build_config({"algorithm": "es", "subspaces": 4}).num_subspaces == 1
+
+
+@pytest.mark.parametrize(
+    "layer, message",
+    [
+        ({"algorithm": "sgd"}, "unknown algorithm 'sgd'"),
+        ({"population": 10, "subspaces": 4}, "not divisible by --subspaces 4"),
+        ({"sigma": 0}, "--sigma must be > 0"),
+        ({"lr": -1}, "--lr must be > 0"),
+        ({"rank": 0}, "--rank must be >= 1"),
+        ({"population": "many"}, "option population must be int"),
+        ({"budget_hours": -2}, "--budget-hours must be > 0"),
+    ],
+)
+def test_invalid_settings_raise_one_sentence(layer, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(layer)
+
+
+def test_yaml_unknown_keys_and_syntax_errors_name_the_file(tmp_path):
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("population: 8\nlearning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) in .*unknown.yaml: learning_rate"):
+        read_yaml(unknown)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("population: [8\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML in .*broken.yaml at line"):
+        read_yaml(broken)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        read_yaml(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid_and_names_its_command(path):
+    assert path.read_text().splitlines()[0] == f"# copes-run --config configs/{path.name}"
+    build_config(read_yaml(path))

@@ -1,0 +1,92 @@
+"""Population sharding over torch.distributed (gloo on CPU): balanced splits, gathered rewards, the checksum guard,
+timeouts, and — end to end through torchrun and the console script — weights bitwise equal to one process."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from copes.distributed import (
+    DistributedError,
+    check_in_sync,
+    gather_member_rewards,
+    members_for_rank,
+    weights_checksum,
+)
+
+
+@pytest.mark.parametrize("population, world", [(40, 2), (5, 2), (7, 3), (3, 4), (1, 1)])
+def test_member_split_is_balanced_complete_and_deterministic(population, world):
+    shares = [members_for_rank(population, rank, world) for rank in range(world)]
+    assert sorted(m for share in shares for m in share) == list(range(population))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_checksum_sees_a_single_changed_element():
+    model = torch.nn.Linear(8, 8)
+    before = weights_checksum(model)
+    with torch.no_grad():
+        model.weight[3, 5] = torch.nextafter(model.weight[3, 5], torch.tensor(10.0))
+    assert not torch.equal(before, weights_checksum(model))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, scenario: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=5))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        if scenario == "diverged" and rank == 1:
+            with torch.no_grad():
+                model.bias[0] += 1e-6
+        if scenario == "hang" and rank == 1:
+            return  # never joins the collective: rank 0 must time out with a message, not wait forever
+        if scenario == "gather":
+            mine = members_for_rank(5, rank, world)
+            rewards = gather_member_rewards({m: torch.tensor([float(m), 10.0 * m]) for m in mine}, 5, step=1)
+            results[rank] = torch.stack(rewards).tolist()
+        else:
+            check_in_sync(model, step=7)
+            results[rank] = "in sync"
+    except DistributedError as error:
+        results[rank] = str(error)
+    finally:
+        if scenario != "hang" or rank == 0:
+            dist.destroy_process_group()
+
+
+def _run(scenario: str, world: int = 2) -> dict:
+    results = mp.Manager().dict()
+    mp.spawn(_worker, args=(world, _free_port(), scenario, results), nprocs=world, join=True)
+    return dict(results)
+
+
+def test_rewards_of_an_uneven_split_are_gathered_in_member_order():
+    results = _run("gather")
+    expected = [[float(m), 10.0 * m] for m in range(5)]
+    assert results == {0: expected, 1: expected}
+
+
+def test_checksum_guard_passes_in_sync_and_fires_on_divergence():
+    assert _run("in_sync") == {0: "in sync", 1: "in sync"}
+    diverged = _run("diverged")
+    assert all(message == "step 7: weights of rank(s) [1] diverged from rank 0's" for message in diverged.values())
+
+
+def test_a_rank_that_never_answers_ends_in_a_clear_timeout():
+    results = _run("hang")
+    assert results[0].startswith("step 7: comparing weight checksums failed — another rank died, hung")
