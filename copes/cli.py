@@ -25,7 +25,11 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def wrapper(*args: Any, debug: bool = False, **kwargs: Any) -> Any:
+        from transformers.utils import logging as hf_logging
+
         from copes.tasks.loading import DatasetError
+
+        hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the run's own progress
 
         try:
             return command(*args, **kwargs)
@@ -74,6 +78,7 @@ def _layers(config_file: str | None, flags: dict[str, Any]) -> list[dict[str, An
 @click.option("--checkpoint-every", type=int, help="steps between checkpoints")
 @click.option("--budget-hours", type=float, help="stop cleanly after this much wall time")
 @click.option("--data-dir", help="local dataset folder")
+@click.option("--cpu-threads", type=int, help="torch threads on CPU (0: torch's default)")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 @user_errors
 def run_command(config_file: str | None, resume: str | None, quiet: bool, **flags: Any) -> None:
@@ -127,7 +132,7 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
     lm, tokenizer, _ = load_model(model, device=device, dtype=dtype)
     results = {}
     for name in tasks:
-        task = get_task(name, data_dir=data_dir)
+        task = get_task(name, **({"data_dir": data_dir} if data_dir else {}))
         examples = task.examples(split, limit=limit)
         limits = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
         agent = AgentConfig.for_kind(task.kind, **limits) if task.kind in ("math", "qa") else AgentConfig(**limits)

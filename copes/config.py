@@ -52,6 +52,7 @@ class TrainConfig:
                                      "(default: joint for copes/es/copes-lowrank, per_question for eggroll)")
     dtype: str = _opt("auto", "weights dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16")
     device: str = _opt("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
+    cpu_threads: int = _opt(0, "torch intra-op threads on CPU (0: torch's default); tiny models run fastest on 1")
     restore: str = _opt("device", "how a member's perturbation is undone: device backup | host backup | subtract")
     chunk_size: int = _opt(65536, "elements per partition chunk")
     seed: int = _opt(0, "seeds the data order, every noise stream and the partition")
@@ -83,6 +84,8 @@ class TrainConfig:
                      "dist_check_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.cpu_threads < 0:
+            raise ConfigError(f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         if self.steps < 0 or self.eval_size < 0 or self.eval_every < 0 or self.checkpoint_every < 0:
             raise ConfigError("--steps, eval_size, eval_every and checkpoint_every must be >= 0")
         if self.algorithm in ("copes", "copes-lowrank") and self.population % self.subspaces:

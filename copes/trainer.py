@@ -63,13 +63,15 @@ class Trainer:
             probe.unlink()
         except OSError as error:
             raise ConfigError(f"output dir {self.out} is not writable: {error.strerror or error}") from None
-        self.task = get_task(cfg.task, data_dir=cfg.data_dir)
+        self.task = get_task(cfg.task, **({"data_dir": cfg.data_dir} if cfg.data_dir else {}))
         self.train_set = self.task.examples("train")
         if not self.train_set:
             raise ConfigError(f"task {cfg.task} has no training examples")
         self.eval_set = self._eval_examples()
         device = str(self.dist.device) if self.dist else cfg.device
         self.model, self.tokenizer, self.device = load_model(cfg.model, device=device, dtype=cfg.dtype)
+        if self.device.type == "cpu" and cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out)
         limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens, greedy=True)
         self.agent = AgentConfig.for_kind(self.task.kind, **limits) if self.task.kind in ("math", "qa") else AgentConfig(**limits)
