@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from copes.config import ConfigError
+from copes.failpoints import failpoint
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -96,6 +97,7 @@ def save_checkpoint(
     save_file(tensors, str(staging / "es_state.safetensors"))
     (staging / "es_state.json").write_text(json.dumps(skeleton, indent=1), encoding="utf-8")
     (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
+    failpoint("checkpoint")  # crash tests: die with a checkpoint half written
     manifest = {path.name: _sha256(path) for path in sorted(staging.iterdir())}
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     _fsync_tree(staging)

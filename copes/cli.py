@@ -78,6 +78,8 @@ def _layers(config_file: str | None, flags: dict[str, Any]) -> list[dict[str, An
 @click.option("--checkpoint-every", type=int, help="steps between checkpoints")
 @click.option("--budget-hours", type=float, help="stop cleanly after this much wall time")
 @click.option("--data-dir", help="local dataset folder")
+@click.option("--rollout-batch", type=int, help="rows per generate call (default: the whole prompt batch)")
+@click.option("--oom-retry/--no-oom-retry", default=None, help="retry a member with half the rollout batch on OOM")
 @click.option("--cpu-threads", type=int, help="torch threads on CPU (0: torch's default)")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 @user_errors

@@ -43,6 +43,8 @@ class TrainConfig:
     steps: int = _opt(100, "ES steps to run")
     prompt_batch: int = _opt(64, "questions per step, shared by every member (paper: 64)")
     max_new_tokens: int = _opt(1024, "tokens generated per turn")
+    rollout_batch: int | None = _opt(None, "rows per generate call (default: the whole prompt batch at once)")
+    oom_retry: bool = _opt(False, "on out-of-memory, retry the member with half the rollout batch instead of stopping")
     max_turns: int = _opt(8, "agent turns per question (tool calls need turns)")
     max_context_tokens: int = _opt(131072, "hard cap on prompt + generated tokens per question (paper: 128K)")
     tools: bool = _opt(True, "let the agent call the Python sandbox and search (where the task supports them)")
@@ -84,6 +86,8 @@ class TrainConfig:
                      "dist_check_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.rollout_batch is not None and self.rollout_batch < 1:
+            raise ConfigError(f"--rollout-batch must be >= 1, got {self.rollout_batch}")
         if self.cpu_threads < 0:
             raise ConfigError(f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         if self.steps < 0 or self.eval_size < 0 or self.eval_every < 0 or self.checkpoint_every < 0:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 import copes_kernels as ck
+from copes.failpoints import failpoint
 
 RESTORE_MODES = ("device", "host", "subtract")
 UPDATE_PRECISIONS = ("auto", "native", "stochastic", "master_device", "master_host")
@@ -329,6 +330,7 @@ class ParameterSpace:
                 ck.accumulate_(gradient, coeffs=coeffs, **noise)
                 target.add_(rule(index, offset, gradient))
             squared_norm += float(torch.linalg.vector_norm(target.float() - before.float(), dtype=torch.float64)) ** 2
+            failpoint("update")  # crash tests: die with the update half applied
             if param.master is not None:
                 if param.precision == "master_host":
                     param.master.view(-1)[offset : offset + view.numel()].copy_(target)

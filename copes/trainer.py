@@ -21,6 +21,7 @@ from copes.config import ConfigError, TrainConfig
 from copes.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, init_distributed,
                                members_for_rank)
 from copes.evaluation import evaluate
+from copes.failpoints import failpoint
 from copes.metrics import MetricsLog, PhaseTimer, peak_memory_bytes, plot_curves
 from copes.modeling import load_model
 from copes.rollout import AgentConfig
@@ -63,7 +64,10 @@ class Trainer:
             probe.unlink()
         except OSError as error:
             raise ConfigError(f"output dir {self.out} is not writable: {error.strerror or error}") from None
-        self.task = get_task(cfg.task, **({"data_dir": cfg.data_dir} if cfg.data_dir else {}))
+        try:
+            self.task = get_task(cfg.task, **({"data_dir": cfg.data_dir} if cfg.data_dir else {}))
+        except (ValueError, TypeError) as error:  # unknown task, or an option the task does not take
+            raise ConfigError(str(error)) from None
         self.train_set = self.task.examples("train")
         if not self.train_set:
             raise ConfigError(f"task {cfg.task} has no training examples")
@@ -73,7 +77,8 @@ class Trainer:
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out)
-        limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens, greedy=True)
+        limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens,
+                      greedy=True, batch_size=cfg.rollout_batch)
         self.agent = AgentConfig.for_kind(self.task.kind, **limits) if self.task.kind in ("math", "qa") else AgentConfig(**limits)
         self.strategy = build_strategy(cfg, self.model)
         self.start_step, self.evals, self.eval_before = 0, [], None
@@ -99,17 +104,37 @@ class Trainer:
                                timer=self.timer, members=members, row_members=row_members)
 
     def population_step(self, step: int, examples: list[Example]) -> Any:
-        """One ES step; with several ranks each evaluates its share of the members and the rewards are gathered."""
-        if self.dist is None:
-            return self.strategy.step(lambda model, rows=None: self.rewards_for(model, examples, rows))
-        mine = members_for_rank(self.cfg.population, self.dist.rank, self.dist.world_size)
-        if hasattr(self.strategy, "row_members"):  # EGGROLL family: one batched call for this rank's members
+        """One ES step. This rank evaluates its share of the members (all of them without torchrun), the rewards
+        are gathered, and every rank applies the same update."""
+        world = (self.dist.rank, self.dist.world_size) if self.dist else (0, 1)
+        mine = members_for_rank(self.cfg.population, *world)
+        if hasattr(self.strategy, "row_members"):  # EGGROLL family: one batched call for all of this rank's members
             rewards = self.strategy.evaluate(lambda model, rows: self.rewards_for(model, examples, rows, mine), members=mine)
             local = dict(zip(mine, rewards))
         else:
             self.strategy.plan()
-            local = {m: self.strategy.evaluate_member(m, lambda model: self.rewards_for(model, examples)) for m in mine}
-        return self.strategy.apply_update(torch.stack(gather_member_rewards(local, self.cfg.population, step)))
+            members = tqdm(mine, desc=f"step {step + 1} members", leave=False, disable=not (self.progress and self.is_main))
+            local = {member: self.evaluate_member(member, examples) for member in members}
+        gathered = gather_member_rewards(local, self.cfg.population, step) if self.dist else [local[m] for m in mine]
+        return self.strategy.apply_update(torch.stack(gathered))
+
+    def evaluate_member(self, member: int, examples: list[Example]) -> torch.Tensor:
+        """Rewards of one perturbed member; out of memory is retried with half the rollout batch when allowed."""
+        def fitness(model: Any) -> list[float]:
+            rewards = self.rewards_for(model, examples)
+            failpoint("member")  # crash tests: die while this member's perturbation is in the weights
+            return rewards
+
+        while True:
+            try:
+                return self.strategy.evaluate_member(member, fitness)
+            except (torch.OutOfMemoryError, MemoryError):
+                rows = self.agent.batch_size or len(examples)
+                if not self.cfg.oom_retry or rows == 1:
+                    raise ConfigError(f"out of memory evaluating member {member} with {rows} rows per generate call; "
+                                      "lower --prompt-batch or --rollout-batch, or pass --oom-retry") from None
+                self.agent.batch_size = rows // 2
+                tqdm.write(f"out of memory on member {member} at {rows} rows per generate call; retrying with {rows // 2}")
 
     def held_out(self, step: int) -> dict[str, Any]:
         if not self.eval_set:
