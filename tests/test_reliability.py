@@ -50,3 +50,45 @@ def test_kill_9_then_resume_matches_the_uninterrupted_run(failpoint, uninterrupt
     assert_same_weights(final_weights(tmp_path), final_weights(uninterrupted))
     assert metrics_without_time(tmp_path) == metrics_without_time(uninterrupted)
     assert not list((tmp_path / "checkpoints").glob(".*.partial")), "a staging folder survived the retry"
+
+
+HOSTILE_CODE = {
+    "fork bomb": "import os\nwhile True:\n    os.fork()",
+    "infinite loop": "while True:\n    pass",
+    "escape": "open('/tmp/copes_escape_probe', 'w').write('x')",
+    "flood": "print('x' * 100_000_000)",
+}
+
+
+def test_hostile_tool_calls_in_a_real_rollout_become_observations(tmp_path):
+    """A policy that attacks the sandbox in its first turn still gets observations, then answers and is scored."""
+    import json
+
+    from tiny_models import ScriptedPolicy, build_tiny_tokenizer
+
+    from copes.rollout import AgentConfig, run_agent
+    from copes.tasks import get_task
+    from copes.tools import PythonSandbox, PythonTool
+
+    tokenizer = build_tiny_tokenizer(tmp_path)
+    task = get_task("gsm8k")
+    example = task.examples("test", limit=1)[0]
+    answer = f"<answer>\\boxed{{{example.golds[0]}}}</answer>"
+
+    def script(prompt: str) -> str:
+        if "<tool_response>" in prompt:
+            return answer
+        attack = next(name for name in HOSTILE_CODE if f"[{name}]" in prompt)
+        return "<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": HOSTILE_CODE[attack]}}) + "\n</tool_call>"
+
+    prompts = [f"[{name}] {task.prompt(example)}" for name in HOSTILE_CODE]
+    tool = PythonTool(PythonSandbox(timeout_s=2.0, cpu_seconds=2, max_processes=16))
+    trajectories = run_agent(ScriptedPolicy(tokenizer, script), tokenizer, prompts, tools=[tool],
+                             config=AgentConfig.for_kind("math", max_turns=3, max_new_tokens=400))
+    observations = {name: t.tool_calls[0].observation for name, t in zip(HOSTILE_CODE, trajectories)}
+    assert "timed out" in observations["infinite loop"]
+    assert "Read-only file system" in observations["escape"] or "Permission denied" in observations["escape"]
+    assert len(observations["flood"]) < 10_000
+    assert not Path("/tmp/copes_escape_probe").exists()
+    for trajectory in trajectories:
+        assert trajectory.finished_by == "eos" and task.score(trajectory.final_text, example).correct
