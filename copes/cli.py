@@ -92,11 +92,15 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     trainer = Trainer(cfg, progress=not quiet)
     if resume:
         trainer.resume(resume)
-    click.echo(f"{cfg.algorithm} on {cfg.task}: N={cfg.population} K={cfg.num_subspaces} sigma={cfg.sigma} "
+    say = click.echo if trainer.is_main else (lambda *_: None)  # under torchrun, rank 0 speaks for all
+    say(f"{cfg.algorithm} on {cfg.task}: N={cfg.population} K={cfg.num_subspaces} sigma={cfg.sigma} "
                f"lr={cfg.lr} model={cfg.model} device={trainer.device} -> {cfg.output_dir}")
     summary = trainer.train()
     before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
-    click.echo(f"held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) "
+    if before is None or after is None:
+        say(f"{summary['steps']} steps in {summary['wall_seconds']:.0f}s (no held-out evaluation); summary: {Path(cfg.output_dir) / 'summary.json'}")
+        return
+    say(f"held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) "
                f"after {summary['steps']} steps in {summary['wall_seconds']:.0f}s; "
                f"summary: {Path(cfg.output_dir) / 'summary.json'}")
 

@@ -6,6 +6,7 @@ calls; this file should read on one screen.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,7 +60,7 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         try:
             self.out.mkdir(parents=True, exist_ok=True)
-            probe = self.out / ".write_test"
+            probe = self.out / f".write_test.{os.getpid()}"  # per process: torchrun ranks probe at once
             probe.write_text("ok")
             probe.unlink()
         except OSError as error:

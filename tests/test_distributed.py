@@ -90,3 +90,21 @@ def test_checksum_guard_passes_in_sync_and_fires_on_divergence():
 def test_a_rank_that_never_answers_ends_in_a_clear_timeout():
     results = _run("hang")
     assert results[0].startswith("step 7: comparing weight checksums failed — another rank died, hung")
+
+
+@pytest.mark.parametrize("algorithm, population, subspaces", [("copes", "6", "2"), ("es", "5", "1")])
+def test_torchrun_two_processes_match_one_process_bitwise(algorithm, population, subspaces, tmp_path):
+    """The console script under torchrun (2 gloo ranks, uneven split for N=5) ends with the single-process weights."""
+    from cli_runs import FAST_FLAGS, MODEL, assert_same_weights, copes_run, final_weights, metrics_without_time
+
+    flags = ["--algorithm", algorithm, "--population", population, "--subspaces", subspaces, "--steps", "2",
+             "--checkpoint-every", "0", "--eval-size", "8"]
+    single = copes_run(*flags, "--output-dir", str(tmp_path / "single"))
+    assert single.returncode == 0, single.stderr
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command = [*launcher, shutil.which("copes-run"), "--model", MODEL, *FAST_FLAGS, *flags,
+               "--device", "cpu", "--output-dir", str(tmp_path / "pair")]
+    pair = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert pair.returncode == 0, pair.stderr[-3000:]
+    assert_same_weights(final_weights(tmp_path / "pair"), final_weights(tmp_path / "single"))
+    assert metrics_without_time(tmp_path / "pair") == metrics_without_time(tmp_path / "single")

@@ -9,6 +9,7 @@ offline stand-in for the Wikipedia dump Search-R1 retrieves from. Both retriever
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -94,13 +95,15 @@ def write_corpus(paragraphs: Iterable[tuple[str, str]], out_path: Path) -> int:
     seen: set[tuple[str, str]] = set()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_path, "w", encoding="utf-8") as out:
+    staging = out_path.with_name(f".{out_path.name}.{os.getpid()}")  # several ranks may build the same corpus
+    with open(staging, "w", encoding="utf-8") as out:
         for title, text in paragraphs:
             if not text or (title, text) in seen:
                 continue
             seen.add((title, text))
             passage = {"id": str(len(seen) - 1), "title": title, "text": text}
             out.write(json.dumps(passage, ensure_ascii=False) + "\n")
+    os.replace(staging, out_path)
     return len(seen)
 
 
