@@ -83,6 +83,16 @@ class StepStats:
     restore_seconds: float
     update_seconds: float
 
+    @classmethod
+    def of_step(cls, step: int, info: dict[str, Any], update_norm: float, seconds: dict[str, float]) -> StepStats:
+        """Stats from shape_fitness's `info`, the applied norm and the seconds per phase ("perturb", "evaluate",
+        "restore", "update"; a phase a strategy does not have counts 0)."""
+        return cls(
+            step=step, mean_reward=info["mean"], max_reward=info["max"], min_reward=info["min"], std_reward=info["std"],
+            num_invalid_rewards=info["num_invalid"], update_norm=update_norm, zero_update=info["zero_update"],
+            **{f"{phase}_seconds": seconds.get(phase, 0.0) for phase in ("perturb", "evaluate", "restore", "update")},
+        )
+
 
 def _as_rewards(value: Any) -> torch.Tensor:
     """A fitness result as float64: 0-d for one score, [Q] for per-question scores (None -> NaN: missing)."""
@@ -304,20 +314,7 @@ class CoPES:
         if not info["zero_update"]:  # no signal: leave the weights (and Adam's moments) untouched
             update_norm = self._update(plan, r_hat)
             self.space.synchronize()
-        stats = StepStats(
-            step=plan.step,
-            mean_reward=info["mean"],
-            max_reward=info["max"],
-            min_reward=info["min"],
-            std_reward=info["std"],
-            num_invalid_rewards=info["num_invalid"],
-            update_norm=update_norm,
-            zero_update=info["zero_update"],
-            perturb_seconds=self._seconds["perturb"],
-            evaluate_seconds=self._seconds["evaluate"],
-            restore_seconds=self._seconds["restore"],
-            update_seconds=time.perf_counter() - start,
-        )
+        stats = StepStats.of_step(plan.step, info, update_norm, {**self._seconds, "update": time.perf_counter() - start})
         self._step += 1
         self._plan = None
         self._seconds = dict.fromkeys(self._seconds, 0.0)

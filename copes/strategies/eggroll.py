@@ -342,20 +342,8 @@ class _LowRankES:
         if not info["zero_update"]:  # no signal: leave the weights untouched
             update_norm = self._update(plan, noise, r_hat)
             self._space.synchronize()
-        stats = StepStats(
-            step=plan.step,
-            mean_reward=info["mean"],
-            max_reward=info["max"],
-            min_reward=info["min"],
-            std_reward=info["std"],
-            num_invalid_rewards=info["num_invalid"],
-            update_norm=update_norm,
-            zero_update=info["zero_update"],
-            perturb_seconds=self._seconds["perturb"],
-            evaluate_seconds=self._seconds["evaluate"],
-            restore_seconds=0.0,  # nothing to restore: evaluation never writes the weights
-            update_seconds=time.perf_counter() - start,
-        )
+        # No restore phase: evaluation never writes the weights.
+        stats = StepStats.of_step(plan.step, info, update_norm, {**self._seconds, "update": time.perf_counter() - start})
         self._step += 1
         self._plan = None
         self._noise = None
