@@ -72,6 +72,7 @@ def _layers(config_file: str | None, flags: dict[str, Any]) -> list[dict[str, An
 @click.option("--output-dir", help="where metrics, plots, summary and checkpoints go")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of options (flags override it)")
 @click.option("--resume", type=click.Path(), help="continue bit-exactly from a run dir or checkpoint")
+@click.option("--chunk-size", type=int, help="elements per partition chunk")
 @click.option("--fitness", help="joint | per_subspace | centered_rank | per_question")
 @click.option("--eval-size", type=int, help="held-out questions evaluated before and after")
 @click.option("--eval-every", type=int, help="steps between held-out evaluations (0: before/after only)")
