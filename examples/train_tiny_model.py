@@ -107,21 +107,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where save_pretrained writes the model")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--intermediate-size", type=int, default=384)
-    parser.add_argument("--num-layers", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; more only slows a model this small")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--intermediate-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--max-steps", type=int, default=20_000)
     parser.add_argument("--eval-every", type=int, default=100, help="steps between validation evaluations")
     parser.add_argument("--eval-size", type=int, default=500, help="validation problems per evaluation")
-    parser.add_argument("--stop-accuracy", type=float, default=0.4, help="stop once validation accuracy reaches this")
+    parser.add_argument("--stop-accuracy", type=float, default=0.3, help="stop once validation accuracy reaches this")
     args = parser.parse_args()
     if not 0.0 < args.stop_accuracy <= 1.0:
         raise ValueError(f"--stop-accuracy must be in (0, 1], got {args.stop_accuracy}")
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     task = ArithmeticTask(seed=args.seed)
     train = task.examples("train")
@@ -140,12 +142,13 @@ def main() -> None:
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps))
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))
+    shuffle = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(train), generator=shuffle)
     position, accuracy, started = 0, 0.0, time.perf_counter()
     model.train()
     for step in range(1, args.max_steps + 1):
         if position + args.batch_size > len(order):
-            order, position = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed + step)), 0
+            order, position = torch.randperm(len(train), generator=shuffle), 0
         batch = [train[index] for index in order[position : position + args.batch_size].tolist()]
         position += args.batch_size
         loss = model(**training_batch(tokenizer, batch)).loss
@@ -166,7 +169,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
-    training = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    # transformers 5 writes its own class name (TokenizersBackend); the 4.x name loads under both majors.
+    tokenizer_config_path = args.out / "tokenizer_config.json"
+    tokenizer_config = json.loads(tokenizer_config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    training = {key: value for key, value in vars(args).items() if key != "out"}
     training.update(steps=step, validation_accuracy=accuracy, test_accuracy=test_accuracy)
     (args.out / "training_summary.json").write_text(json.dumps(training, indent=2) + "\n")
     print(f"saved to {args.out}")

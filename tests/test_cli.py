@@ -64,12 +64,12 @@ def test_two_identical_runs_are_identical(reference_run, tmp_path):
 
 def test_config_file_is_overridden_by_flags(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("population: 6\nsubspaces: 3\nsteps: 1\nsigma: 0.02\n")
+    config.write_text("population: 6\nsubspaces: 3\nsteps: 1\nchunk_size: 512\n")
     result = copes_run("--config", str(config), "--population", "4", "--subspaces", "2",
                        "--output-dir", str(tmp_path / "out"), "--checkpoint-every", "0")
     assert result.returncode == 0, result.stderr
     used = json.loads((tmp_path / "out" / "summary.json").read_text())["config"]
-    assert (used["population"], used["subspaces"], used["sigma"], used["steps"]) == (4, 2, 0.02, 1)
+    assert (used["population"], used["subspaces"], used["chunk_size"], used["steps"]) == (4, 2, 512, 1)
 
 
 def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:

@@ -57,3 +57,11 @@ def test_yaml_unknown_keys_and_syntax_errors_name_the_file(tmp_path):
 def test_every_shipped_config_is_valid_and_names_its_command(path):
     assert path.read_text().splitlines()[0] == f"# copes-run --config configs/{path.name}"
     build_config(read_yaml(path))
+
+
+def test_the_tiny_config_spells_out_the_embedded_models_preset():
+    from copes.modeling import read_preset
+
+    preset = read_yaml(read_preset("tiny"))
+    spelled_out = read_yaml(CONFIGS / "tiny-arithmetic-copes.yaml")
+    assert {k: v for k, v in spelled_out.items() if k not in ("model", "output_dir")} == preset
