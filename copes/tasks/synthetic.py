@@ -22,7 +22,7 @@ from copes.tasks.base import Example, Score, register
 SPLITS = ("train", "validation", "test")
 SUPPORTED_OPERATIONS = "+-*"
 # Share of the problem space (in hash buckets out of 100) each held-out split owns; train owns the rest.
-_HELD_OUT_BUCKETS = {"validation": range(0, 5), "test": range(5, 10)}
+_HELD_OUT_BUCKETS = {"validation": range(5), "test": range(5, 10)}
 # A split that needs more draws than this per requested problem is asking for more than its share exists.
 _MAX_DRAWS_PER_PROBLEM = 200
 
@@ -147,4 +147,3 @@ class ArithmeticTask:
             return Score(reward=1.0, correct=True, answer=answer)
         shaped = self.digit_shaping * digit_accuracy(answer, gold) if self.digit_shaping else 0.0
         return Score(reward=shaped, correct=False, answer=answer)
-
