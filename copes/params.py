@@ -258,13 +258,16 @@ class ParameterSpace:
         self._pending = _Perturbation(partition, seed, member, subspace, sigma, backups)
 
     def _to_host(self, index: int, offset: int, packed: torch.Tensor) -> torch.Tensor:
-        """Copy a packed backup into this slice's reusable host buffer (pinned memory is costly to allocate)."""
+        """Copy a packed backup into this slice's reusable host buffer (pinned memory is costly to allocate).
+
+        A buffer grows only when a subspace owns more of the slice than ever before, with 1/8 headroom, so the host
+        holds about 1/K of the weights, not all of them, and reallocations soon stop."""
         buffer = self._host_buffers.get((index, offset))
-        if buffer is None:
-            # Sized for the whole slice, the most any subspace can own, so it is allocated once.
+        if buffer is None or buffer.numel() < packed.numel():
             numel = self.parameters[index].numel
             slice_numel = min(self.stream_elements or numel, numel - offset)
-            buffer = torch.empty(slice_numel, dtype=packed.dtype, pin_memory=packed.is_cuda)
+            size = min(slice_numel, packed.numel() + packed.numel() // 8)
+            buffer = torch.empty(size, dtype=packed.dtype, pin_memory=packed.is_cuda)
             self._host_buffers[(index, offset)] = buffer
         host = buffer[: packed.numel()]
         # Stream order guarantees the copy lands before restore's upload, which runs on the same stream.
