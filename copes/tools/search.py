@@ -9,6 +9,7 @@ offline stand-in for the Wikipedia dump Search-R1 retrieves from. Both retriever
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 import os
 import urllib.error
 import urllib.request
@@ -40,7 +41,7 @@ class Retriever(Protocol):
     def search_batch(self, queries: Sequence[str], top_k: int = 3) -> list[list[Passage]]: ...
 
 
-class _BatchRetriever:
+class _BatchRetriever(ABC):
     """Shared front: argument checks, and `search` as a batch of one."""
 
     def search(self, query: str, top_k: int = 3) -> list[Passage]:
@@ -55,8 +56,9 @@ class _BatchRetriever:
             return []
         return self._search_batch(list(queries), top_k)
 
+    @abstractmethod
     def _search_batch(self, queries: list[str], top_k: int) -> list[list[Passage]]:
-        raise NotImplementedError
+        """The retriever itself, on validated, non-empty input."""
 
 
 # ---------------------------------------------------------------- corpus from HotpotQA
