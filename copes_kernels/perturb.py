@@ -25,9 +25,9 @@ from copes_kernels.triton_rng import (
     STREAM_ARGS,
     blocks_spanned,
     int64_args,
-    int64_from_words,
     noise_block,
     normal_tile,
+    run_tile,
     stream_args,
 )
 
@@ -69,15 +69,7 @@ def _perturb_kernel(
     BLOCK: tl.constexpr,
 ):
     """Program = (selected run, tile of BLOCK counters); runs hold global element bounds [start, stop)."""
-    pid = tl.program_id(0).to(tl.int64)
-    run = pid // tiles_per_run
-    tile = pid % tiles_per_run
-    start = tl.load(run_starts_ptr + run)
-    stop = tl.load(run_stops_ptr + run)
-    first_block = (start >> 2) + tile * BLOCK
-    element = 4 * first_block + tl.arange(0, 4 * BLOCK).to(tl.int64)
-    mask = (element >= start) & (element < stop)
-    local = element - int64_from_words(offset_lo, offset_hi)
+    _, first_block, local, mask = run_tile(run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, BLOCK)
     eps = normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
     x = tl.load(src_ptr + local, mask=mask).to(tl.float32)
     tl.store(dst_ptr + local, to_storage(x + sigma * eps, dst_ptr.dtype.element_ty), mask=mask)

@@ -121,6 +121,21 @@ def in_element_order(w0, w1, w2, w3):
 
 
 @triton.jit
+def run_tile(run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, BLOCK: tl.constexpr):
+    """The tile of program (selected run, tile): its first Philox block, element indices local to the slice, and the
+    mask of elements inside the run's global bounds [start, stop). Shared by every noise kernel launched over runs."""
+    pid = tl.program_id(0).to(tl.int64)
+    run = pid // tiles_per_run
+    tile = pid % tiles_per_run
+    start = tl.load(run_starts_ptr + run)
+    stop = tl.load(run_stops_ptr + run)
+    first_block = (start >> 2) + tile * BLOCK
+    element = 4 * first_block + tl.arange(0, 4 * BLOCK).to(tl.int64)
+    mask = (element >= start) & (element < stop)
+    return run, first_block, element - int64_from_words(offset_lo, offset_hi), mask
+
+
+@triton.jit
 def normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr):
     """eps of elements 4 * first_block + [0, 4 BLOCK), in element order, float32."""
     x0, x1, x2, x3 = philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)

@@ -31,6 +31,7 @@ from copes_kernels.triton_rng import (
     int64_from_words,
     noise_block,
     normal_tile,
+    run_tile,
     stream_args,
     uniform_tile,
 )
@@ -77,15 +78,7 @@ def _accumulate_kernel(
     BLOCK: tl.constexpr,
 ):
     """Program = (run, tile of BLOCK counters); run r adds the members [first_member[r], end_member[r])."""
-    pid = tl.program_id(0).to(tl.int64)
-    run = pid // tiles_per_run
-    tile = pid % tiles_per_run
-    start = tl.load(run_starts_ptr + run)
-    stop = tl.load(run_stops_ptr + run)
-    first_block = (start >> 2) + tile * BLOCK
-    element = 4 * first_block + tl.arange(0, 4 * BLOCK).to(tl.int64)
-    mask = (element >= start) & (element < stop)
-    local = element - int64_from_words(offset_lo, offset_hi)
+    run, first_block, local, mask = run_tile(run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, BLOCK)
     total = tl.load(target_ptr + local, mask=mask).to(tl.float32)
     for j in range(tl.load(run_first_member_ptr + run), tl.load(run_end_member_ptr + run)):
         eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + j), tensor_id, BLOCK)
