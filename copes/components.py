@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from copes.config import ConfigError, TrainConfig
 from copes.metrics import PhaseTimer
 from copes.tasks import Task
 
+if TYPE_CHECKING:  # the strategies (and torch) load only when a run builds one
+    from copes.strategies.base import Strategy
 
-def build_strategy(cfg: TrainConfig, model: Any) -> Any:
+
+def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
     from copes.strategies import EGGROLL, CoPES, CoPESLowRank
 
     common = dict(population=cfg.population, sigma=cfg.sigma, lr=cfg.lr, seed=cfg.seed,

@@ -5,8 +5,14 @@ update precision. Works on any `torch.nn.Module`; every tensor operation goes th
 Selection: parameter names (as `model.named_parameters()` spells them) are matched with shell-style `fnmatch`
 patterns, case-sensitive, where `*` also crosses dots (`"*.mlp.*"`, `"model.layers.1[0-5].*"`). A parameter is
 trainable when it matches some `include` pattern (all do when include is None) and no `exclude` pattern.
-`requires_grad` is ignored: ES needs no autograd, and inference code often switches it off. Tied weights
-(embedding == lm_head) are one Parameter object and appear once, under their first name.
+`names` instead selects exactly the listed parameters (a strategy that narrows a pattern selection, e.g. to
+linear weights, passes the names it kept). `requires_grad` is ignored: ES needs no autograd, and inference code
+often switches it off. Tied weights (embedding == lm_head) are one Parameter object and appear once, under their
+first name.
+
+This class is the only code that writes trainable weights, for every strategy: perturb / restore (CoPES), the
+noise-sum update (CoPES) and the low-rank update (EGGROLL family) all go through it, and so do the fp32
+masters, stochastic rounding and the applied-norm measurement.
 
 Noise ids: `tensor_id = zlib.crc32(name)`, stable across processes and runs (unlike Python's `hash`); two
 selected names with the same id are rejected, since they would receive identical noise.
@@ -36,7 +42,7 @@ import fnmatch
 import math
 import warnings
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +77,48 @@ def _as_patterns(name: str, patterns: str | Sequence[str] | None) -> tuple[str, 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def select_parameters(
+    model: torch.nn.Module,
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+    names: Sequence[str] | None = None,
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The (name, Parameter) pairs ES may move, in model order: by patterns, or exactly `names`.
+
+    Rejects unsupported dtypes, non-contiguous tensors and tensor-id collisions among the selected names.
+    """
+    include_patterns, exclude_patterns = _as_patterns("include", include), _as_patterns("exclude", exclude)
+    wanted = None if names is None else set(names)
+    selected: list[tuple[str, torch.nn.Parameter]] = []
+    names_by_id: dict[int, str] = {}
+    for name, param in model.named_parameters():  # remove_duplicate=True: a tied weight appears once
+        if wanted is not None:
+            if name not in wanted:
+                continue
+        elif (include_patterns is not None and not _matches(name, include_patterns)) or (
+            exclude_patterns and _matches(name, exclude_patterns)
+        ):
+            continue
+        if param.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"parameter {name!r} is {param.dtype}; ES supports {SUPPORTED_DTYPES} (exclude it)")
+        if not param.is_contiguous():
+            raise ValueError(f"parameter {name!r} is not contiguous; make it contiguous or exclude it")
+        tensor_id = tensor_id_for(name)
+        if tensor_id in names_by_id:
+            raise ValueError(
+                f"parameters {names_by_id[tensor_id]!r} and {name!r} share tensor_id {tensor_id:#010x} "
+                "(CRC-32 collision) and would receive identical noise: exclude or rename one of them"
+            )
+        names_by_id[tensor_id] = name
+        selected.append((name, param))
+    if wanted is not None and len(selected) != len(wanted):
+        missing = sorted(wanted - {name for name, _ in selected})
+        raise ValueError(f"the model has no parameter named {', '.join(map(repr, missing))}")
+    if not selected:
+        raise ValueError(f"include={include_patterns!r} / exclude={exclude_patterns!r} select no parameter of the model")
+    return selected
 
 
 @dataclass(eq=False)
@@ -110,6 +158,7 @@ class ParameterSpace:
         exclude: str | Sequence[str] | None = None,
         chunk_size: int = ck.DEFAULT_CHUNK_SIZE,
         *,
+        names: Sequence[str] | None = None,
         restore: str = "device",
         update_precision: str = "auto",
         stream_elements: int | None = None,
@@ -129,7 +178,10 @@ class ParameterSpace:
         self.restore_mode = restore
         self.update_precision = update_precision
         self.stream_elements = None if stream_elements is None else int(stream_elements)
-        self.parameters = self._select(model, _as_patterns("include", include), _as_patterns("exclude", exclude))
+        self.parameters = [
+            self._make_parameter(name, param.detach(), tensor_id_for(name))
+            for name, param in select_parameters(model, include, exclude, names)
+        ]
         self._pending: _Perturbation | None = None
         self._host_buffers: dict[tuple[int, int], torch.Tensor] = {}
         if restore == "subtract":
@@ -138,30 +190,6 @@ class ParameterSpace:
                 "it inexact, so the weights drift; use 'device' or 'host' for an exact restore",
                 stacklevel=2,
             )
-
-    def _select(
-        self, model: torch.nn.Module, include: tuple[str, ...] | None, exclude: tuple[str, ...] | None
-    ) -> list[TrainableParameter]:
-        selected: list[TrainableParameter] = []
-        names_by_id: dict[int, str] = {}
-        for name, param in model.named_parameters():  # remove_duplicate=True: a tied weight appears once
-            if (include is not None and not _matches(name, include)) or (exclude and _matches(name, exclude)):
-                continue
-            if param.dtype not in SUPPORTED_DTYPES:
-                raise ValueError(f"parameter {name!r} is {param.dtype}; ES supports {SUPPORTED_DTYPES} (exclude it)")
-            if not param.is_contiguous():
-                raise ValueError(f"parameter {name!r} is not contiguous; make it contiguous or exclude it")
-            tensor_id = tensor_id_for(name)
-            if tensor_id in names_by_id:
-                raise ValueError(
-                    f"parameters {names_by_id[tensor_id]!r} and {name!r} share tensor_id {tensor_id:#010x} "
-                    "(CRC-32 collision) and would receive identical noise: exclude or rename one of them"
-                )
-            names_by_id[tensor_id] = name
-            selected.append(self._make_parameter(name, param.detach(), tensor_id))
-        if not selected:
-            raise ValueError(f"include={include!r} / exclude={exclude!r} select no parameter of the model")
-        return selected
 
     def _make_parameter(self, name: str, data: torch.Tensor, tensor_id: int) -> TrainableParameter:
         if data.dtype == torch.float32:
@@ -317,21 +345,61 @@ class ParameterSpace:
                 "update_precision='stochastic' only supports the plain (SGD) update; use a master precision for an "
                 "update rule such as Adam"
             )
-        squared_norm = 0.0
-        for index, param, offset, view in self._slices():
-            target = self._update_target(param, offset, view)
-            before = target.clone()
+
+        def add_noise_sum(index: int, param: TrainableParameter, offset: int, target: torch.Tensor) -> None:
             noise = dict(
                 seed=seed, members=members, tensor_id=param.tensor_id, offset=offset,
                 chunk_subspace=partition[index], member_subspaces=member_subspaces, chunk_size=self.chunk_size,
             )
             if rule is None:
-                rounding = "stochastic" if param.precision == "stochastic" else "nearest"
-                ck.accumulate_(target, coeffs=coeffs, rounding=rounding, **noise)
+                ck.accumulate_(target, coeffs=coeffs, rounding=self._rounding(param), **noise)
             else:
-                gradient = torch.zeros(view.numel(), dtype=torch.float32, device=view.device)
+                gradient = torch.zeros(target.numel(), dtype=torch.float32, device=target.device)
                 ck.accumulate_(gradient, coeffs=coeffs, **noise)
                 target.add_(rule(index, offset, gradient))
+
+        return self._write_update(self._slices(), add_noise_sum)
+
+    def apply_lowrank_update(
+        self, factors: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None], *, seed: int, scale: float
+    ) -> float:
+        """W_i += scale * sum_j coeffs_j A_j B_j^T for each parameter i with `factors[i] = (A, B, coeffs)`
+        (A [M, m, r], B [M, n, r], coeffs [M]); None leaves parameter i alone. Each matrix is updated whole
+        (`stream_elements` does not slice it). Returns the applied norm, as `apply_update` does."""
+        if self._pending is not None:
+            raise RuntimeError("apply_lowrank_update() called while a perturbation is applied; call restore() first")
+        if len(factors) != len(self.parameters):
+            raise ValueError(f"factors must have one entry per parameter ({len(self.parameters)}), got {len(factors)}")
+
+        def add_lowrank(index: int, param: TrainableParameter, offset: int, target: torch.Tensor) -> None:
+            A, B, coeffs = factors[index]
+            ck.lowrank_accumulate_(
+                target.view(param.data.shape), A=A, B=B, coeffs=coeffs, scale=scale, rounding=self._rounding(param),
+                seed=seed, tensor_id=param.tensor_id,
+            )
+
+        whole = (
+            (index, param, 0, param.data.view(-1))
+            for index, param in enumerate(self.parameters) if factors[index] is not None
+        )
+        return self._write_update(whole, add_lowrank)
+
+    @staticmethod
+    def _rounding(param: TrainableParameter) -> str:
+        return "stochastic" if param.precision == "stochastic" else "nearest"
+
+    def _write_update(
+        self,
+        slices: Iterable[tuple[int, TrainableParameter, int, torch.Tensor]],
+        add: Callable[[int, TrainableParameter, int, torch.Tensor], None],
+    ) -> float:
+        """Run `add(index, param, offset, target)` on each slice's update target (the weights, or its fp32 master,
+        staged to the device for "master_host"), write masters back to the model, and return ||after - before||."""
+        squared_norm = 0.0
+        for index, param, offset, view in slices:
+            target = self._update_target(param, offset, view)
+            before = target.clone()
+            add(index, param, offset, target)
             squared_norm += float(torch.linalg.vector_norm(target.float() - before.float(), dtype=torch.float64)) ** 2
             failpoint("update")  # crash tests: die with the update half applied
             if param.master is not None:
@@ -346,3 +414,16 @@ class ParameterSpace:
             return view
         master = param.master.view(-1)[offset : offset + view.numel()]
         return master if param.precision == "master_device" else master.to(view.device)
+
+    # ---------------------------------------------------------------- resume
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the fp32 masters, keyed by parameter name (empty when no parameter keeps one)."""
+        return {p.name: p.master.detach().to("cpu", copy=True) for p in self.parameters if p.master is not None}
+
+    def load_master_state(self, masters: dict[str, torch.Tensor]) -> None:
+        """Put back masters saved by `master_state()`."""
+        with torch.no_grad():
+            for param in self.parameters:
+                if param.master is not None:
+                    param.master.copy_(masters[param.name])

@@ -27,6 +27,7 @@ from copes.metrics import MetricsLog, PhaseTimer, peak_memory_bytes, plot_curves
 from copes.modeling import load_model
 from copes.rollout import AgentConfig
 from copes.scoring import rollout_rewards
+from copes.strategies.base import WHOLE_POPULATION
 from copes.tasks import Example, get_task
 
 # Options a checkpoint must share with the run that resumes it, or the continuation would not be that run.
@@ -109,7 +110,7 @@ class Trainer:
         are gathered, and every rank applies the same update."""
         world = (self.dist.rank, self.dist.world_size) if self.dist else (0, 1)
         mine = members_for_rank(self.cfg.population, *world)
-        if hasattr(self.strategy, "row_members"):  # EGGROLL family: one batched call for all of this rank's members
+        if self.strategy.evaluation == WHOLE_POPULATION:  # EGGROLL family: one batched call for this rank's members
             rewards = self.strategy.evaluate(lambda model, rows: self.rewards_for(model, examples, rows, mine), members=mine)
             local = dict(zip(mine, rewards))
         else:

@@ -182,7 +182,7 @@ def test_update_norm_is_the_norm_of_the_applied_change():
     assert stats.update_norm == pytest.approx(float(torch.linalg.vector_norm((after - before).double())), rel=1e-9)
     assert stats.update_norm > 0 and not stats.zero_update
     assert stats.max_reward >= stats.mean_reward >= stats.min_reward and stats.std_reward > 0
-    assert min(stats.perturb_seconds, stats.evaluate_seconds, stats.restore_seconds, stats.update_seconds) > 0
+    assert min(stats.perturb_seconds, stats.rollout_seconds, stats.restore_seconds, stats.update_seconds) > 0
 
 
 # ---------------------------------------------------------------- exact restore

@@ -20,78 +20,21 @@ three phases are public so a trainer can shard members across processes and repo
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 import copes_kernels as ck
-from copes.fitness import FITNESS_MODES, shape_fitness
 from copes.params import ParameterSpace, TrainableParameter
+from copes.strategies.base import (MAX_POPULATION, PER_MEMBER, ESBase, Evaluation, FitnessFn, StepPlan, StepStats,
+                                   step_seed)
 
 OPTIMIZERS = ("sgd", "adam")
-# Member ids are uint32 noise streams; the kernels reserve the top of that range for non-member streams.
-MAX_POPULATION = 1 << 31
 
-FitnessFn = Callable[[torch.nn.Module], Any]
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The uint64 noise seed of step `step` of a run seeded with `seed` (see the module docstring)."""
-    digest = hashlib.blake2b(f"copes-step:{int(seed)}:{int(step)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """Everything that fixes one step's perturbations: identical on every process that builds it."""
-
-    step: int
-    seed: int
-    sigma: float  # sigma_k, the per-member noise scale
-    partition: list[torch.Tensor]  # per trainable parameter: chunk -> subspace (int16)
-    member_subspace: torch.Tensor  # [N] int64: the subspace member i perturbs
-    noise_member: torch.Tensor  # [N] int64: the noise stream member i uses (shared by an antithetic pair)
-    noise_sign: torch.Tensor  # [N] float64: +1, or -1 for the second member of an antithetic pair
-
-    def members_of(self, subspace: int) -> list[int]:
-        return torch.nonzero(self.member_subspace == subspace).flatten().tolist()
-
-
-@dataclass
-class StepStats:
-    """What one step did. Rewards are per-member means (over questions), after NaN/inf were scored as failures.
-
-    `update_norm` is the L2 norm of the change actually applied to the trainable weights (the fp32 masters when
-    the model keeps them), measured exactly as ||after - before|| slice by slice during the update.
-    """
-
-    step: int
-    mean_reward: float
-    max_reward: float
-    min_reward: float
-    std_reward: float
-    num_invalid_rewards: int
-    update_norm: float
-    zero_update: bool
-    perturb_seconds: float
-    evaluate_seconds: float
-    restore_seconds: float
-    update_seconds: float
-
-    @classmethod
-    def of_step(cls, step: int, info: dict[str, Any], update_norm: float, seconds: dict[str, float]) -> StepStats:
-        """Stats from shape_fitness's `info`, the applied norm and the seconds per phase ("perturb", "evaluate",
-        "restore", "update"; a phase a strategy does not have counts 0)."""
-        return cls(
-            step=step, mean_reward=info["mean"], max_reward=info["max"], min_reward=info["min"], std_reward=info["std"],
-            num_invalid_rewards=info["num_invalid"], update_norm=update_norm, zero_update=info["zero_update"],
-            **{f"{phase}_seconds": seconds.get(phase, 0.0) for phase in ("perturb", "evaluate", "restore", "update")},
-        )
+__all__ = ["MAX_POPULATION", "OPTIMIZERS", "CoPES", "FitnessFn", "StepPlan", "StepStats", "step_seed"]
 
 
 def _as_rewards(value: Any) -> torch.Tensor:
@@ -145,12 +88,14 @@ class _Adam:
         return (self.lr / bias1) * exp_avg / ((exp_avg_sq / bias2).sqrt_().add_(self.eps))
 
 
-class CoPES:
+class CoPES(ESBase):
     """Cooperative parameter-subspace ES on any `torch.nn.Module` (see the module docstring for the math).
 
     es = CoPES(model, population=40, num_subspaces=4, sigma=1e-3, lr=5e-4, seed=0)
     stats = es.step(fitness_fn)   # fitness_fn(model) -> float | sequence of per-question floats
     """
+
+    evaluation: ClassVar[Evaluation] = PER_MEMBER
 
     def __init__(
         self,
@@ -174,21 +119,13 @@ class CoPES:
         std_floor: float = 1e-8,
         stream_elements: int | None = None,
     ) -> None:
-        self._validate(population, num_subspaces, sigma, lr, seed, fitness, antithetic, optimizer, adam_betas,
-                       adam_eps, std_floor, update_precision)
-        self.model = model
-        self.population = int(population)
-        self.num_subspaces = int(num_subspaces)
-        self.sigma = float(sigma)
-        self.lr = float(lr)
-        self.seed = int(seed)
-        self.fitness = fitness
-        self.scale_sigma = bool(scale_sigma)
+        super().__init__(model, population=population, num_subspaces=num_subspaces, sigma=sigma, lr=lr, seed=seed,
+                         fitness=fitness, std_floor=std_floor, scale_sigma=scale_sigma)
+        self._validate(antithetic, optimizer, adam_betas, adam_eps, update_precision)
         self.antithetic = bool(antithetic)
         self.optimizer = optimizer
         self.adam_betas = (float(adam_betas[0]), float(adam_betas[1]))
         self.adam_eps = float(adam_eps)
-        self.std_floor = float(std_floor)
         # Adam needs arbitrary fp32 deltas, which stochastic rounding of noise sums cannot apply: keep masters.
         if update_precision == "auto" and optimizer == "adam":
             update_precision = "master_device"
@@ -198,30 +135,12 @@ class CoPES:
         )
         self.space.fit_chunk_size(self.num_subspaces)
         self._adam = _Adam(self.space.parameters, self.lr, self.adam_betas, self.adam_eps) if optimizer == "adam" else None
-        self._step = 0
-        self._plan: StepPlan | None = None
-        self._seconds = dict.fromkeys(("perturb", "evaluate", "restore"), 0.0)
 
-    @staticmethod
-    def _validate(population, num_subspaces, sigma, lr, seed, fitness, antithetic, optimizer, adam_betas, adam_eps,
-                  std_floor, update_precision) -> None:
-        if int(num_subspaces) < 1:
-            raise ValueError(f"num_subspaces must be >= 1, got {num_subspaces}")
-        if not 1 <= int(population) <= MAX_POPULATION:
-            raise ValueError(f"population must be in [1, {MAX_POPULATION}], got {population}")
-        if int(population) % int(num_subspaces):
-            raise ValueError(f"population={population} must be divisible by num_subspaces={num_subspaces}")
-        for name, value in (("sigma", sigma), ("lr", lr)):
-            if not (math.isfinite(float(value)) and float(value) > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value}")
-        if int(seed) < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
-        if fitness not in FITNESS_MODES:
-            raise ValueError(f"fitness must be one of {FITNESS_MODES}, got {fitness!r}")
-        if antithetic and (int(population) // int(num_subspaces)) % 2:
+    def _validate(self, antithetic, optimizer, adam_betas, adam_eps, update_precision) -> None:
+        if antithetic and self.members_per_subspace % 2:
             raise ValueError(
                 f"antithetic=True pairs members inside each subspace, but population/num_subspaces = "
-                f"{int(population) // int(num_subspaces)} is odd"
+                f"{self.members_per_subspace} is odd"
             )
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -229,8 +148,6 @@ class CoPES:
             raise ValueError(f"adam_betas must be two numbers in [0, 1), got {adam_betas}")
         if not (math.isfinite(float(adam_eps)) and float(adam_eps) > 0):
             raise ValueError(f"adam_eps must be a finite number > 0, got {adam_eps}")
-        if not (math.isfinite(float(std_floor)) and float(std_floor) >= 0):
-            raise ValueError(f"std_floor must be a finite number >= 0, got {std_floor}")
         if optimizer == "adam" and update_precision == "stochastic":
             raise ValueError(
                 "update_precision='stochastic' cannot apply Adam steps; use 'master_device' or 'master_host' "
@@ -238,19 +155,6 @@ class CoPES:
             )
 
     # ---------------------------------------------------------------- phases
-
-    @property
-    def step_count(self) -> int:
-        """Completed steps (the index of the next step)."""
-        return self._step
-
-    @property
-    def members_per_subspace(self) -> int:
-        return self.population // self.num_subspaces
-
-    @property
-    def sigma_k(self) -> float:
-        return math.sqrt(self.num_subspaces) * self.sigma if self.scale_sigma else self.sigma
 
     def plan(self) -> StepPlan:
         """This step's seed, partition and member layout (built once per step, then reused)."""
@@ -296,29 +200,9 @@ class CoPES:
             self.space.synchronize()
             restored = time.perf_counter()
             self._seconds["perturb"] += perturbed - start
-            self._seconds["evaluate"] += evaluated - perturbed
+            self._seconds["rollout"] += evaluated - perturbed
             self._seconds["restore"] += restored - evaluated
         return _as_rewards(value)
-
-    def apply_update(self, rewards: torch.Tensor | Sequence[Any]) -> StepStats:
-        """Shape the rewards of all N members ([N] or [N, Q]) and apply this step's update; ends the step."""
-        plan = self.plan()
-        rewards_t = torch.as_tensor(rewards, dtype=torch.float64, device="cpu").detach()
-        if rewards_t.dim() not in (1, 2) or rewards_t.shape[0] != self.population:
-            raise ValueError(f"rewards must be [{self.population}] or [{self.population}, Q], got {tuple(rewards_t.shape)}")
-        r_hat, info = shape_fitness(
-            rewards_t, self.fitness, member_subspaces=plan.member_subspace, std_floor=self.std_floor
-        )
-        start = time.perf_counter()
-        update_norm = 0.0
-        if not info["zero_update"]:  # no signal: leave the weights (and Adam's moments) untouched
-            update_norm = self._update(plan, r_hat)
-            self.space.synchronize()
-        stats = StepStats.of_step(plan.step, info, update_norm, {**self._seconds, "update": time.perf_counter() - start})
-        self._step += 1
-        self._plan = None
-        self._seconds = dict.fromkeys(self._seconds, 0.0)
-        return stats
 
     def _update(self, plan: StepPlan, r_hat: torch.Tensor) -> float:
         gradient_coeffs = r_hat * plan.noise_sign / self.members_per_subspace
@@ -351,7 +235,6 @@ class CoPES:
     # ---------------------------------------------------------------- resume
 
     def _config(self) -> dict[str, Any]:
-        """The settings that change the trajectory: a resumed run must match them exactly."""
         return {
             "population": self.population,
             "num_subspaces": self.num_subspaces,
@@ -374,15 +257,9 @@ class CoPES:
 
         JSON-able values (`step`, `config`) plus CPU tensors keyed by parameter name (Adam moments, fp32 masters).
         """
-        names = self.space.names
-        state: dict[str, Any] = {
-            "step": self._step,
-            "config": self._config(),
-            "master_weights": {
-                p.name: p.master.detach().to("cpu", copy=True) for p in self.space.parameters if p.master is not None
-            },
-        }
+        state = super().state_dict()
         if self._adam is not None:
+            names = self.space.names
             state["adam"] = {
                 "steps": self._adam.steps,
                 "exp_avg": {n: t.to("cpu", copy=True) for n, t in zip(names, self._adam.exp_avg)},
@@ -392,19 +269,10 @@ class CoPES:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`; the model must already hold the weights saved with it."""
-        saved, current = state["config"], self._config()
-        mismatched = sorted(k for k in current.keys() | saved.keys() if saved.get(k) != current.get(k))
-        if mismatched:
-            details = ", ".join(f"{k}: saved {saved.get(k)!r} vs now {current.get(k)!r}" for k in mismatched)
-            raise ValueError(f"state_dict was saved with a different configuration ({details})")
-        with torch.no_grad():
-            for param in self.space.parameters:
-                if param.master is not None:
-                    param.master.copy_(state["master_weights"][param.name])
-            if self._adam is not None:
+        super().load_state_dict(state)
+        if self._adam is not None:
+            with torch.no_grad():
                 self._adam.steps = int(state["adam"]["steps"])
                 for name, exp_avg, exp_avg_sq in zip(self.space.names, self._adam.exp_avg, self._adam.exp_avg_sq):
                     exp_avg.copy_(state["adam"]["exp_avg"][name])
                     exp_avg_sq.copy_(state["adam"]["exp_avg_sq"][name])
-        self._step = int(state["step"])
-        self._plan = None

@@ -9,7 +9,7 @@ linear runs as `ck.lowrank_linear` (one base GEMM for the whole batch plus a ran
 sees W_j with j = member_of_row[b]. `fitness_fn(model, row_members)` is called ONCE per step for all N members
 and returns rewards [N] or [N, Q].
 
-Step t (seed_t = copes.strategies.copes.step_seed(seed, t), the same seed CoPES would use):
+Step t (seed_t = copes.strategies.base.step_seed(seed, t), the same seed CoPES would use):
     groups      ck.make_partition with one chunk per matrix: each matrix -> one of K groups (balanced within one)
     member j    in group k(j) = j % K perturbs only its group's matrices, sigma_k = sqrt(K) * sigma; its rows see
                 a zero correction in every other matrix
@@ -22,171 +22,88 @@ Tied weights: a Parameter shared by an `nn.Linear` and an `nn.Embedding` (lm_hea
 with one noise id; the embedding lookup gets the same per-row correction (A_j[token] B_j^T), so each member
 really evaluates W_j everywhere. Parameter names follow `ParameterSpace`: a tied weight is named once, by its
 first name (`model.embed_tokens.weight`, not `lm_head.weight`). Parameters that are no `nn.Linear` weight
-(norms, biases, untied embeddings) are frozen.
+(norms, biases, untied embeddings) are frozen. The per-row routing lives in `copes.strategies.row_routing`; the
+update goes through `ParameterSpace.apply_lowrank_update`, the one writer of trainable weights.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 import copes_kernels as ck
-from copes.fitness import FITNESS_MODES, shape_fitness
-from copes.params import ParameterSpace, TrainableParameter
-from copes.strategies.copes import MAX_POPULATION, StepPlan, StepStats, step_seed
+from copes.params import ParameterSpace, select_parameters
+from copes.strategies.base import (WHOLE_POPULATION, ESBase, Evaluation, StepPlan, StepStats, population_rewards,
+                                   step_seed)
+from copes.strategies.row_routing import (LowRankMatrix, MatrixNoise, RowMembers, find_matrices, linear_weight_names,
+                                          route_rows)
 
 # Factors cost (m + n) * r floats per member and matrix; beyond 16 the low-rank forward stops being cheap.
 MAX_RANK = 16
 
-RowMembers = Callable[[torch.Tensor], contextlib.AbstractContextManager[None]]
 BatchedFitnessFn = Callable[[nn.Module, RowMembers], Any]
 
-
-@dataclass(eq=False)
-class LowRankMatrix:
-    """One targeted weight matrix and every module that reads it (several when weights are tied)."""
-
-    param: TrainableParameter  # name, tensor_id, update precision, fp32 master
-    weight: nn.Parameter
-    linears: list[tuple[str, nn.Linear]] = field(default_factory=list)
-    embeddings: list[tuple[str, nn.Embedding]] = field(default_factory=list)
+__all__ = ["MAX_RANK", "EGGROLL", "BatchedFitnessFn", "CoPESLowRank", "RowMembers"]
 
 
-@dataclass
-class _MatrixNoise:
-    """This step's factors of one matrix, for the members of its group, plus a zero slot for everyone else."""
-
-    A: torch.Tensor  # [N_k (+1), m, r] float32
-    B: torch.Tensor  # [N_k (+1), n, r] float32
-    slot_of_member: torch.Tensor  # [N] int64: member -> row of A/B (the zero slot for other groups' members)
-    num_members: int  # N_k: rows 0 .. N_k - 1 of A/B are the group's members, in member order
-
-
-def _find_matrices(model: nn.Module, space: ParameterSpace) -> tuple[list[LowRankMatrix], list[str]]:
-    """Split the selected parameters into low-rank targets (nn.Linear weights) and frozen ones."""
-    params_by_name = dict(model.named_parameters())
-    selected = {id(params_by_name[p.name]): p for p in space.parameters}
-    matrices: dict[int, LowRankMatrix] = {}
-    for module_name, module in model.named_modules():
-        if type(module) is nn.Linear and id(module.weight) in selected:
-            matrix = matrices.setdefault(id(module.weight), LowRankMatrix(selected[id(module.weight)], module.weight))
-            matrix.linears.append((module_name, module))
-    for module_name, module in model.named_modules():
-        for _, param in module.named_parameters(recurse=False):
-            matrix = matrices.get(id(param))
-            if matrix is None or type(module) is nn.Linear:
-                continue
-            if type(module) is not nn.Embedding or module.max_norm is not None:
-                raise ValueError(
-                    f"{matrix.param.name!r} is a linear weight that {module_name!r} ({type(module).__name__}) also "
-                    "reads; only nn.Linear and plain nn.Embedding (max_norm=None) uses can be perturbed per row: "
-                    "exclude it"
-                )
-            matrix.embeddings.append((module_name, module))
-    frozen = [p.name for p in space.parameters if id(params_by_name[p.name]) not in matrices]
-    return list(matrices.values()), frozen
-
-
-class _LowRankES:
+class _LowRankES(ESBase):
     """Shared engine of EGGROLL (K = 1) and CoPESLowRank (K > 1); see the module docstring for the math.
 
     `matrices` are the low-rank targets (in module order, which indexes `plan().partition`); `frozen_names` the
     selected parameters that are no nn.Linear weight and never move.
     """
 
+    evaluation: ClassVar[Evaluation] = WHOLE_POPULATION
+
     def __init__(
         self,
         model: nn.Module,
-        *,
-        population: int,
-        num_subspaces: int,
-        sigma: float,
-        lr: float,
-        rank: int,
-        seed: int,
-        include: str | Sequence[str] | None,
-        exclude: str | Sequence[str] | None,
-        fitness: str,
-        std_floor: float,
-        update_precision: str,
+        population: int = 40,
+        num_subspaces: int = 4,
+        sigma: float = 1e-3,
+        lr: float = 5e-4,
+        rank: int = 1,
+        seed: int = 0,
+        include: str | Sequence[str] | None = None,
+        exclude: str | Sequence[str] | None = None,
+        fitness: str = "joint",
+        std_floor: float = 1e-8,
+        update_precision: str = "auto",
     ) -> None:
-        self._validate(population, num_subspaces, sigma, lr, rank, seed, fitness, std_floor)
-        self.model = model
-        self.population = int(population)
-        self.num_subspaces = int(num_subspaces)
-        self.sigma = float(sigma)
-        self.lr = float(lr)
-        self.rank = int(rank)
-        self.seed = int(seed)
-        self.fitness = fitness
-        self.std_floor = float(std_floor)
-        # Selection, noise ids and collision checks are ParameterSpace's; "native" keeps this pass free of copies.
-        selection = ParameterSpace(model, include, exclude, update_precision="native")
-        matrices, self.frozen_names = _find_matrices(model, selection)
-        if not matrices:
-            raise ValueError(f"include={include!r} / exclude={exclude!r} select no nn.Linear weight of the model")
-        # Second pass over the targets only, so fp32 masters (if any) are made for matrices, not frozen tensors.
-        targets = ParameterSpace(
-            model, [glob.escape(m.param.name) for m in matrices], update_precision=update_precision
-        )
-        target_by_name = {p.name: p for p in targets.parameters}
-        for matrix in matrices:
-            matrix.param = target_by_name[matrix.param.name]
-        self.matrices = matrices
-        self._space = targets
-        if len(matrices) < self.num_subspaces:
-            raise ValueError(
-                f"num_subspaces={self.num_subspaces} exceeds the {len(matrices)} targeted matrices: every group "
-                "needs at least one"
-            )
-        self._step = 0
-        self._plan: StepPlan | None = None
-        self._noise: list[_MatrixNoise] | None = None
-        self._active_rows = False
-        self._seconds = dict.fromkeys(("perturb", "evaluate"), 0.0)
-
-    @staticmethod
-    def _validate(population, num_subspaces, sigma, lr, rank, seed, fitness, std_floor) -> None:
-        if int(num_subspaces) < 1:
-            raise ValueError(f"num_subspaces must be >= 1, got {num_subspaces}")
-        if not 1 <= int(population) <= MAX_POPULATION:
-            raise ValueError(f"population must be in [1, {MAX_POPULATION}], got {population}")
-        if int(population) % int(num_subspaces):
-            raise ValueError(f"population={population} must be divisible by num_subspaces={num_subspaces}")
-        for name, value in (("sigma", sigma), ("lr", lr)):
-            if not (math.isfinite(float(value)) and float(value) > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        super().__init__(model, population=population, num_subspaces=num_subspaces, sigma=sigma, lr=lr, seed=seed,
+                         fitness=fitness, std_floor=std_floor)
         if not 1 <= int(rank) <= MAX_RANK:
             raise ValueError(f"rank must be in [1, {MAX_RANK}], got {rank}")
-        if int(seed) < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
-        if fitness not in FITNESS_MODES:
-            raise ValueError(f"fitness must be one of {FITNESS_MODES}, got {fitness!r}")
-        if not (math.isfinite(float(std_floor)) and float(std_floor) >= 0):
-            raise ValueError(f"std_floor must be a finite number >= 0, got {std_floor}")
+        self.rank = int(rank)
+        candidates = select_parameters(model, include, exclude)
+        targets = linear_weight_names(model, candidates)
+        if not targets:
+            raise ValueError(f"include={include!r} / exclude={exclude!r} select no nn.Linear weight of the model")
+        self.frozen_names = [name for name, _ in candidates if name not in set(targets)]
+        # Only the targets get update state (fp32 masters), never the frozen tensors.
+        self.space = ParameterSpace(model, names=targets, update_precision=update_precision)
+        self.matrices: list[LowRankMatrix] = find_matrices(model, self.space.parameters)
+        if len(self.matrices) < self.num_subspaces:
+            raise ValueError(
+                f"num_subspaces={self.num_subspaces} exceeds the {len(self.matrices)} targeted matrices: every group "
+                "needs at least one"
+            )
+        self._space_index = {id(p): index for index, p in enumerate(self.space.parameters)}
+        self._noise: list[MatrixNoise] | None = None
+        self._active_rows = False
 
     # ---------------------------------------------------------------- phases
 
     @property
-    def step_count(self) -> int:
-        """Completed steps (the index of the next step)."""
-        return self._step
-
-    @property
-    def members_per_subspace(self) -> int:
-        return self.population // self.num_subspaces
-
-    @property
-    def sigma_k(self) -> float:
-        return math.sqrt(self.num_subspaces) * self.sigma
+    def factor_scale(self) -> float:
+        """1 / sqrt(r): the normalisation of A_j B_j^T in the perturbation and in the update."""
+        return 1.0 / math.sqrt(self.rank)
 
     def plan(self) -> StepPlan:
         """This step's seed, matrix groups (`partition[i]` is a 1-element int16 tensor: matrix i's group) and
@@ -205,7 +122,7 @@ class _LowRankES:
             )
         return self._plan
 
-    def _step_noise(self) -> list[_MatrixNoise]:
+    def _step_noise(self) -> list[MatrixNoise]:
         """Generate (once per step) every matrix's factors for the members of its group."""
         if self._noise is None:
             plan = self.plan()
@@ -213,11 +130,11 @@ class _LowRankES:
             self._noise = [
                 self._matrix_noise(plan, matrix, int(group[0])) for matrix, group in zip(self.matrices, plan.partition)
             ]
-            self._space.synchronize()
+            self.space.synchronize()
             self._seconds["perturb"] += time.perf_counter() - start
         return self._noise
 
-    def _matrix_noise(self, plan: StepPlan, matrix: LowRankMatrix, group: int) -> _MatrixNoise:
+    def _matrix_noise(self, plan: StepPlan, matrix: LowRankMatrix, group: int) -> MatrixNoise:
         weight = matrix.weight
         members = plan.members_of(group)
         A, B = ck.lowrank_factors(
@@ -230,7 +147,7 @@ class _LowRankES:
         if len(members) < self.population:  # other groups' members exist: give them an all-zero factor
             A = torch.cat([A, A.new_zeros(1, *A.shape[1:])])
             B = torch.cat([B, B.new_zeros(1, *B.shape[1:])])
-        return _MatrixNoise(A, B, slot_of_member.to(weight.device), len(members))
+        return MatrixNoise(A, B, slot_of_member.to(weight.device), len(members))
 
     @contextlib.contextmanager
     def row_members(self, member_of_row: torch.Tensor) -> Iterator[None]:
@@ -247,60 +164,12 @@ class _LowRankES:
             raise ValueError(f"member_of_row must be a 1-D integer tensor, got {rows.dtype} {tuple(rows.shape)}")
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.population):
             raise ValueError(f"member_of_row values must lie in [0, {self.population}), got {rows.tolist()}")
-        rows = rows.to(torch.int64)
-        undo: list[Callable[[], None]] = []
         self._active_rows = True
         try:
-            for matrix, noise in zip(self.matrices, self._noise):
-                slots = noise.slot_of_member[rows.to(noise.slot_of_member.device)]
-                for name, linear in matrix.linears:
-                    undo.append(self._route_linear(name, linear, noise, slots))
-                for name, embedding in matrix.embeddings:
-                    undo.append(self._perturb_embedding(name, embedding, noise, slots).remove)
-            yield
+            with route_rows(self.matrices, self._noise, rows.to(torch.int64), sigma=self.sigma_k, rank=self.rank):
+                yield
         finally:
-            for restore in reversed(undo):
-                restore()
             self._active_rows = False
-
-    def _route_linear(
-        self, name: str, linear: nn.Linear, noise: _MatrixNoise, slots: torch.Tensor
-    ) -> Callable[[], None]:
-        """Replace `linear.forward` by the batched low-rank linear; returns the function that puts it back."""
-        sigma = self.sigma_k
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            _check_batch(name, x, slots)
-            return ck.lowrank_linear(x, linear.weight, linear.bias, A=noise.A, B=noise.B, row_member=slots, sigma=sigma)
-
-        # An instance-level forward (e.g. set by a wrapper library) is kept aside and put back afterwards.
-        previous = linear.__dict__.get("forward")
-        linear.forward = forward
-
-        def restore() -> None:
-            if previous is None:
-                del linear.forward
-            else:
-                linear.forward = previous
-
-        return restore
-
-    def _perturb_embedding(
-        self, name: str, embedding: nn.Embedding, noise: _MatrixNoise, slots: torch.Tensor
-    ) -> torch.utils.hooks.RemovableHandle:
-        """Add row b's correction sigma_k / sqrt(r) * A_j[token] B_j^T to a tied embedding's lookup."""
-        scale = self.sigma_k / math.sqrt(self.rank)
-
-        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-            token_ids = inputs[0]
-            _check_batch(name, token_ids, slots)
-            ids = token_ids.reshape(token_ids.shape[0], -1)  # [batch, tokens]
-            # Gather only the looked-up rows of A: A[slots] would copy [batch, vocab, r].
-            a_rows = noise.A[slots[:, None].expand_as(ids), ids]  # [batch, tokens, r]
-            correction = torch.bmm(a_rows, noise.B[slots].transpose(1, 2))  # [batch, tokens, dim]
-            return (output.float() + scale * correction.view(output.shape)).to(output.dtype)
-
-        return embedding.register_forward_hook(hook)
 
     def evaluate(self, fitness_fn: BatchedFitnessFn, members: Sequence[int] | None = None) -> torch.Tensor:
         """Call `fitness_fn(model, row_members)` once for the whole population (under torch.no_grad()); returns its
@@ -315,62 +184,25 @@ class _LowRankES:
             with torch.no_grad():
                 value = fitness_fn(self.model, self.row_members)
         finally:
-            self._seconds["evaluate"] += time.perf_counter() - start
-        return self._as_rewards(value, self.population if members is None else len(members))
+            self._seconds["rollout"] += time.perf_counter() - start
+        return population_rewards(value, self.population if members is None else len(members))
 
-    def _as_rewards(self, value: Any, expected: int) -> torch.Tensor:
-        try:
-            rewards = torch.as_tensor(value, dtype=torch.float64).detach().to("cpu")
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise TypeError(
-                f"fitness_fn must return rewards [N] or [N, Q] as a tensor or nested lists of floats: {error}"
-            ) from None
-        if rewards.dim() not in (1, 2) or rewards.shape[0] != expected:
-            raise ValueError(f"rewards must be [{expected}] or [{expected}, Q], got {tuple(rewards.shape)}")
-        return rewards
+    def _prepare_update(self) -> None:
+        self._step_noise()  # regenerated if rewards came from elsewhere (e.g. gathered from other ranks)
 
-    def apply_update(self, rewards: torch.Tensor | Sequence[Any]) -> StepStats:
-        """Shape the rewards of all N members ([N] or [N, Q]) and apply this step's update; ends the step."""
-        plan = self.plan()
-        rewards_t = self._as_rewards(rewards, self.population)
-        r_hat, info = shape_fitness(
-            rewards_t, self.fitness, member_subspaces=plan.member_subspace, std_floor=self.std_floor
-        )
-        noise = self._step_noise()  # regenerated if rewards came from elsewhere (e.g. gathered from other ranks)
-        start = time.perf_counter()
-        update_norm = 0.0
-        if not info["zero_update"]:  # no signal: leave the weights untouched
-            update_norm = self._update(plan, noise, r_hat)
-            self._space.synchronize()
-        # No restore phase: evaluation never writes the weights.
-        stats = StepStats.of_step(plan.step, info, update_norm, {**self._seconds, "update": time.perf_counter() - start})
-        self._step += 1
-        self._plan = None
+    def _update(self, plan: StepPlan, r_hat: torch.Tensor) -> float:
+        """W += lr / (N_k sqrt(r)) sum_j r_hat_j A_j B_j^T per matrix; returns ||after - before|| over all of them.
+        No restore phase: evaluation never writes the weights."""
+        factors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(self.space.parameters)
+        for matrix, noise, part in zip(self.matrices, self._step_noise(), plan.partition):
+            used = slice(0, noise.num_members)
+            factors[self._space_index[id(matrix.param)]] = (noise.A[used], noise.B[used], r_hat[plan.members_of(int(part[0]))])
+        scale = self.lr * self.factor_scale / self.members_per_subspace
+        return self.space.apply_lowrank_update(factors, seed=plan.seed, scale=scale)
+
+    def _end_step(self) -> None:
+        super()._end_step()
         self._noise = None
-        self._seconds = dict.fromkeys(self._seconds, 0.0)
-        return stats
-
-    def _update(self, plan: StepPlan, noise: list[_MatrixNoise], r_hat: torch.Tensor) -> float:
-        """W += lr / (N_k sqrt(r)) sum_j r_hat_j A_j B_j^T per matrix; returns ||after - before|| over all of them."""
-        scale = self.lr / (self.members_per_subspace * math.sqrt(self.rank))
-        squared_norm = 0.0
-        for matrix, matrix_noise, part in zip(self.matrices, noise, plan.partition):
-            param = matrix.param
-            members = plan.members_of(int(part[0]))
-            target = param.data if param.master is None else param.master.to(param.data.device)
-            before = target.clone()
-            used = slice(0, matrix_noise.num_members)
-            ck.lowrank_accumulate_(
-                target, A=matrix_noise.A[used], B=matrix_noise.B[used], coeffs=r_hat[members], scale=scale,
-                rounding="stochastic" if param.precision == "stochastic" else "nearest",
-                seed=plan.seed, tensor_id=param.tensor_id,
-            )
-            squared_norm += float(torch.linalg.vector_norm(target.float() - before.float(), dtype=torch.float64)) ** 2
-            if param.precision == "master_host":
-                param.master.copy_(target)  # the staged device copy goes back to host memory
-            if param.master is not None:
-                param.data.copy_(target)
-        return math.sqrt(squared_norm)
 
     def step(self, fitness_fn: BatchedFitnessFn) -> StepStats:
         """One full step: evaluate the whole population in one `fitness_fn(model, row_members)` call, then update
@@ -380,7 +212,6 @@ class _LowRankES:
     # ---------------------------------------------------------------- resume
 
     def _config(self) -> dict[str, Any]:
-        """The settings that change the trajectory: a resumed run must match them exactly."""
         return {
             "population": self.population,
             "num_subspaces": self.num_subspaces,
@@ -392,42 +223,6 @@ class _LowRankES:
             "std_floor": self.std_floor,
             "matrices": {m.param.name: m.param.precision for m in self.matrices},
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything, besides the model's own weights, needed to continue bit-exactly (take it between steps):
-        JSON-able `step` and `config`, and the fp32 master weights as CPU tensors keyed by parameter name."""
-        return {
-            "step": self._step,
-            "config": self._config(),
-            "master_weights": {
-                m.param.name: m.param.master.detach().to("cpu", copy=True)
-                for m in self.matrices
-                if m.param.master is not None
-            },
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state_dict()`; the model must already hold the weights saved with it."""
-        saved, current = state["config"], self._config()
-        mismatched = sorted(k for k in current.keys() | saved.keys() if saved.get(k) != current.get(k))
-        if mismatched:
-            details = ", ".join(f"{k}: saved {saved.get(k)!r} vs now {current.get(k)!r}" for k in mismatched)
-            raise ValueError(f"state_dict was saved with a different configuration ({details})")
-        with torch.no_grad():
-            for matrix in self.matrices:
-                if matrix.param.master is not None:
-                    matrix.param.master.copy_(state["master_weights"][matrix.param.name])
-        self._step = int(state["step"])
-        self._plan = None
-        self._noise = None
-
-
-def _check_batch(module_name: str, inputs: torch.Tensor, slots: torch.Tensor) -> None:
-    if inputs.dim() == 0 or inputs.shape[0] != slots.shape[0]:
-        raise ValueError(
-            f"{module_name!r} got input {tuple(inputs.shape)} inside row_members(...) of {slots.shape[0]} rows: the "
-            "batch must be dim 0 and match member_of_row"
-        )
 
 
 class EGGROLL(_LowRankES):
@@ -473,24 +268,7 @@ class CoPESLowRank(_LowRankES):
     """CoPES over matrices with EGGROLL noise: each step the targeted matrices are split into K random groups and
     member j perturbs only group j % K's matrices (sigma_k = sqrt(K) sigma); rewards standardised jointly; each
     matrix is updated from its own group's N/K members. Same `step(fitness_fn(model, row_members))` as EGGROLL.
-    """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        population: int = 40,
-        num_subspaces: int = 4,
-        sigma: float = 1e-3,
-        lr: float = 5e-4,
-        rank: int = 1,
-        seed: int = 0,
-        include: str | Sequence[str] | None = None,
-        exclude: str | Sequence[str] | None = None,
-        fitness: str = "joint",
-        std_floor: float = 1e-8,
-        update_precision: str = "auto",
-    ) -> None:
-        super().__init__(
-            model, population=population, num_subspaces=num_subspaces, sigma=sigma, lr=lr, rank=rank, seed=seed,
-            include=include, exclude=exclude, fitness=fitness, std_floor=std_floor, update_precision=update_precision,
-        )
+    CoPESLowRank(model, population=40, num_subspaces=4, sigma=1e-3, lr=5e-4, rank=1, seed=0, include=None,
+                 exclude=None, fitness="joint", std_floor=1e-8, update_precision="auto")
+    """
