@@ -1,6 +1,6 @@
 """Engine overhead of one CoPES step: perturb + restore + update as a fraction of the step's wall time.
 
-A step is N x (perturb, evaluate, restore) plus one update; the strategy times each phase itself (StepStats).
+A step is N x (perturb, rollout, restore) plus one update; the strategy times each phase itself (StepStats).
 Two workloads, each timed in this run:
 
   tiny   the embedded default model on the default task (synthetic arithmetic), driven through the real
@@ -55,7 +55,7 @@ class PhaseTotals:
 
     steps: int = 0
     perturb: float = 0.0
-    evaluate: float = 0.0
+    rollout: float = 0.0
     restore: float = 0.0
     update: float = 0.0
     updated_steps: int = 0  # steps whose rewards had spread (a zero-spread step skips its update)
@@ -63,7 +63,7 @@ class PhaseTotals:
     def add(self, stats: StepStats) -> None:
         self.steps += 1
         self.perturb += stats.perturb_seconds
-        self.evaluate += stats.evaluate_seconds
+        self.rollout += stats.rollout_seconds
         self.restore += stats.restore_seconds
         self.update += stats.update_seconds
         self.updated_steps += not stats.zero_update
@@ -74,7 +74,7 @@ class PhaseTotals:
 
     @property
     def total(self) -> float:
-        return self.engine + self.evaluate
+        return self.engine + self.rollout
 
 
 def time_steps(step: Callable[[int], StepStats], *, warmup: int, steps: int) -> PhaseTotals:
@@ -125,13 +125,13 @@ def overhead_row(
         "steps": totals.steps,
         "updated": totals.updated_steps,
         "perturb_s": totals.perturb,
-        "evaluate_s": totals.evaluate,
+        "rollout_s": totals.rollout,
         "restore_s": totals.restore,
         "update_s": totals.update,
         "step_s": totals.total / totals.steps,
         "overhead_pct": 100 * fraction,
         "engine_s_per_member": engine_per_member,
-        # engine / (engine + evaluate) <= 5%  <=>  evaluate >= 19 x engine
+        # engine / (engine + rollout) <= 5%  <=>  rollout >= 19 x engine
         "eval_s_per_member_for_5pct": engine_per_member * (1 - GOAL_OVERHEAD) / GOAL_OVERHEAD,
         "goal_le_5pct": "met" if fraction <= GOAL_OVERHEAD else "not met",
     }

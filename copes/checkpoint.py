@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from copes.config import ConfigError
+from copes.errors import UserError
 from copes.failpoints import failpoint
 
 MANIFEST = "MANIFEST.json"
@@ -116,18 +116,18 @@ def find_checkpoint(path: str | Path) -> Path:
             return root / latest.read_text(encoding="utf-8").strip()
     if (path / MANIFEST).is_file():
         return path
-    raise ConfigError(f"--resume {path} is not a checkpoint (no checkpoints/latest and no {MANIFEST} found)")
+    raise UserError(f"{path} is not a checkpoint (no checkpoints/latest and no {MANIFEST} found)")
 
 
 def verify_checkpoint(folder: Path) -> None:
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
-        raise ConfigError(f"checkpoint {folder} has no readable {MANIFEST}: {error}") from None
+        raise UserError(f"checkpoint {folder} has no readable {MANIFEST}: {error}") from None
     for name, expected in manifest.items():
         file = folder / name
         if not file.is_file() or _sha256(file) != expected:
-            raise ConfigError(f"checkpoint {folder} is corrupt: {name} is missing or does not match its checksum")
+            raise UserError(f"checkpoint {folder} is corrupt: {name} is missing or does not match its checksum")
 
 
 def load_checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -5,6 +5,7 @@ A user's mistake prints one sentence and exits with status 2; `--debug` shows th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -14,10 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import click
+import yaml
 
-from copes.config import ALGORITHMS, ConfigError, build_config, read_yaml
+from copes.choices import DTYPES
+from copes.config import ConfigError, TrainConfig, build_config, read_yaml
+from copes.errors import UserError
 
 USER_ERROR_STATUS = 2
+COMMAND_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
 
 
 def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -27,13 +32,11 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, debug: bool = False, **kwargs: Any) -> Any:
         from transformers.utils import logging as hf_logging
 
-        from copes.tasks.loading import DatasetError
-
         hf_logging.disable_progress_bar()  # per-shard load/save bars would drown the run's own progress
 
         try:
             return command(*args, **kwargs)
-        except (ConfigError, DatasetError, FileNotFoundError) as error:
+        except (UserError, FileNotFoundError) as error:
             if debug:
                 raise
             click.echo(f"error: {error}", err=True)
@@ -42,46 +45,75 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--debug", is_flag=True, help="show the full traceback on errors")(wrapper)
 
 
-def _layers(config_file: str | None, flags: dict[str, Any]) -> list[dict[str, Any]]:
-    """Config layers in precedence order: model preset < --config file < flags."""
-    from copes.modeling import read_preset
+def _parse_mapping(option: str, items: tuple[str, ...]) -> dict[str, Any] | None:
+    """`KEY=VALUE` items of a mapping option; values are read as YAML scalars (5 -> int, em -> str)."""
+    if not items:
+        return None
+    mapping = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--{option} takes KEY=VALUE, got {item!r}")
+        mapping[key] = yaml.safe_load(value)
+    return mapping
 
+
+def config_options(*names: str, defaults: dict[str, Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Click options generated from TrainConfig's fields (all, or `names`): flag, type, choices and help come from
+    the field. Unset options reach the command as None, so the preset and --config layers below them still count;
+    the help shows the dataclass default (or the command's own from `defaults`, which are real click defaults)."""
+    defaults = defaults or {}
+    chosen = [f for f in dataclasses.fields(TrainConfig) if not names or f.name in names]
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        for f in reversed(chosen):
+            flag, annotation = "--" + f.name.replace("_", "-"), str(f.type)
+            default = defaults.get(f.name)
+            shown = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            help_text = f.metadata["help"] + ("" if f.name in defaults or shown in (None, [], {}) else f" [default: {shown}]")
+            kwargs: dict[str, Any] = {"default": default, "help": help_text}
+            if annotation == "bool":
+                flag = f"{flag}/--no-{flag[2:]}"
+            elif annotation.startswith("list"):
+                kwargs.update(multiple=True, default=None, help=f"{help_text} (repeatable)")
+            elif annotation.startswith("dict"):
+                kwargs.update(multiple=True, default=None, metavar="KEY=VALUE", help=f"{help_text} (repeatable)",
+                              callback=lambda ctx, param, items: _parse_mapping(param.name.replace("_", "-"), items))
+            elif f.metadata["choices"]:
+                kwargs["type"] = click.Choice(f.metadata["choices"])
+            else:
+                kwargs["type"] = {"int": int, "float": float}.get(annotation.split(" |")[0], str)
+            command = click.option(flag, f.name, **kwargs)(command)
+        return command
+
+    return decorate
+
+
+def _layers(config_file: str | None, flags: dict[str, Any]) -> list[dict[str, Any]]:
+    """Config layers in precedence order: model preset < --config file < flags (empty repeatables are unset)."""
+    from copes.modeling import EMBEDDED_MODEL, read_preset
+
+    flags = {k: (None if v == () else v) for k, v in flags.items()}
     file_layer = read_yaml(config_file) if config_file else {}
-    model = flags.get("model") or file_layer.get("model") or "tiny"
+    model = flags.get("model") or file_layer.get("model") or EMBEDDED_MODEL
     preset = read_preset(model)
     return [read_yaml(preset) if preset else {}, file_layer, flags]
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--model", help="model folder or hub id (default: the embedded tiny model)")
-@click.option("--task", help="gsm8k | math | math500 | aime24 | aime25 | hotpotqa | 2wiki | musique | arithmetic")
-@click.option("--algorithm", type=click.Choice(ALGORITHMS), help="copes (default) | es | eggroll | copes-lowrank")
-@click.option("--population", type=int, help="N perturbed members per step (paper: 40)")
-@click.option("--subspaces", type=int, help="K random parameter subspaces (paper: 4)")
-@click.option("--sigma", type=float, help="noise scale (paper: 1e-3)")
-@click.option("--lr", type=float, help="learning rate (paper: 5e-4)")
-@click.option("--rank", type=int, help="EGGROLL perturbation rank")
-@click.option("--steps", type=int, help="ES steps")
-@click.option("--prompt-batch", type=int, help="questions per step (paper: 64)")
-@click.option("--max-new-tokens", type=int, help="tokens generated per turn")
-@click.option("--tools/--no-tools", default=None, help="let the agent use the Python sandbox and search")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="weights dtype")
-@click.option("--device", help="auto | cpu | cuda | cuda:N")
-@click.option("--restore", type=click.Choice(["device", "host", "subtract"]), help="how perturbations are undone")
-@click.option("--seed", type=int, help="seed of data order, noise and partitions")
-@click.option("--output-dir", help="where metrics, plots, summary and checkpoints go")
+def _config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
+    """The run's config; options the user set that its algorithm does not use are named on stderr."""
+    preset, file_layer, flag_layer = _layers(config_file, flags)
+    cfg = build_config(preset, file_layer, flag_layer)
+    user_set = {k for layer in (file_layer, flag_layer) for k, v in layer.items() if v is not None}
+    for name in cfg.ignored_options(user_set):
+        click.echo(f"warning: --{name.replace('_', '-')} does not apply to --algorithm {cfg.algorithm}; ignored", err=True)
+    return cfg
+
+
+@click.command(context_settings=COMMAND_SETTINGS)
+@config_options()
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of options (flags override it)")
 @click.option("--resume", type=click.Path(), help="continue bit-exactly from a run dir or checkpoint")
-@click.option("--chunk-size", type=int, help="elements per partition chunk")
-@click.option("--fitness", help="joint | per_subspace | centered_rank | per_question")
-@click.option("--eval-size", type=int, help="held-out questions evaluated before and after")
-@click.option("--eval-every", type=int, help="steps between held-out evaluations (0: before/after only)")
-@click.option("--checkpoint-every", type=int, help="steps between checkpoints")
-@click.option("--budget-hours", type=float, help="stop cleanly after this much wall time")
-@click.option("--data-dir", help="local dataset folder")
-@click.option("--rollout-batch", type=int, help="rows per generate call (default: the whole prompt batch)")
-@click.option("--oom-retry/--no-oom-retry", default=None, help="retry a member with half the rollout batch on OOM")
-@click.option("--cpu-threads", type=int, help="torch threads on CPU (0: torch's default)")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 @user_errors
 def run_command(config_file: str | None, resume: str | None, quiet: bool, **flags: Any) -> None:
@@ -89,7 +121,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     synthetic arithmetic task with CoPES, on the CPU, in a few minutes."""
     from copes.trainer import Trainer
 
-    cfg = build_config(*_layers(config_file, flags))
+    cfg = _config(config_file, flags)
     trainer = Trainer(cfg, progress=not quiet)
     if resume:
         trainer.resume(resume)
@@ -106,7 +138,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
                f"summary: {Path(cfg.output_dir) / 'summary.json'}")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(context_settings=COMMAND_SETTINGS)
 @click.option("--model", default="tiny", help="model folder or hub id")
 @click.option("--task", "tasks", multiple=True, default=["arithmetic"], help="task to evaluate (repeatable)")
 @click.option("--split", default="test", help="split to evaluate")
@@ -118,7 +150,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 @click.option("--max-new-tokens", type=int, default=1024, help="tokens generated per turn")
 @click.option("--batch-size", type=int, default=64, help="rows per generate call")
 @click.option("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]))
+@click.option("--dtype", default="auto", type=click.Choice(DTYPES))
 @click.option("--data-dir", help="local dataset folder")
 @click.option("--output", type=click.Path(dir_okay=False), help="write the results as JSON here")
 @click.option("--seed", type=int, default=0, help="sampling seed")
@@ -142,7 +174,7 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
         task = get_task(name, **({"data_dir": data_dir} if data_dir else {}))
         examples = task.examples(split, limit=limit)
         limits = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
-        agent = AgentConfig.for_kind(task.kind, **limits) if task.kind in ("math", "qa") else AgentConfig(**limits)
+        agent = AgentConfig.for_task(task, **limits)
         task_tools = build_tools(task, enabled=tools, corpus=None, retriever_url=None, timer=PhaseTimer(), corpus_dir=Path(tempfile.mkdtemp(prefix="copes-corpus-")))
         results[name] = evaluate(lm, tokenizer, task, examples, n_samples=samples, temperature=temperature, ks=ks,
                                  tools=task_tools, agent_config=agent, seed=seed)
@@ -151,28 +183,26 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
         Path(output).write_text(json.dumps({k: r.to_dict() for k, r in results.items()}, indent=1), encoding="utf-8")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(context_settings=COMMAND_SETTINGS)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of options")
-@click.option("--model", help="model folder or hub id (default: the embedded tiny model)")
-@click.option("--algorithm", type=click.Choice(ALGORITHMS), help="strategy to time")
-@click.option("--population", type=int, help="N members")
-@click.option("--subspaces", type=int, help="K subspaces")
-@click.option("--steps", type=int, default=3, help="steps to time")
-@click.option("--device", help="auto | cpu | cuda | cuda:N")
-@click.option("--output-dir", default="runs/bench", help="scratch run directory")
+@config_options("model", "algorithm", "population", "subspaces", "steps", "device", "output_dir",
+                defaults={"steps": 3, "output_dir": "runs/bench"})
 @user_errors
 def bench_command(config_file: str | None, steps: int, **flags: Any) -> None:
     """Time ES steps by phase and report the engine's overhead (perturb + restore + update) as a fraction."""
     from copes.trainer import Trainer
 
     overrides = {**flags, "steps": steps, "eval_size": 0, "checkpoint_every": 0}
-    trainer = Trainer(build_config(*_layers(config_file, overrides)), progress=True)
+    trainer = Trainer(_config(config_file, overrides), progress=True)
     summary = trainer.train()
     phases = summary["phase_seconds"]
-    step_phases = {k: v for k, v in phases.items() if k not in ("evaluate", "checkpoint")}
+    from copes.strategies.base import STEP_PHASES
+
+    step_phases = {phase: phases.get(phase, 0.0) for phase in STEP_PHASES}
     total = sum(step_phases.values()) or 1.0
-    engine = sum(step_phases.get(k, 0.0) for k in ("perturb", "restore", "update"))
+    engine = sum(step_phases[k] for k in ("perturb", "restore", "update"))
     click.echo(f"{'phase':<10} {'seconds':>9} {'share':>7}")
     for phase, seconds in sorted(step_phases.items(), key=lambda item: -item[1]):
         click.echo(f"{phase:<10} {seconds:9.3f} {100 * seconds / total:6.1f}%")
+    click.echo(f"(rollout = generate {phases.get('generate', 0.0):.3f}s + tools {phases.get('tools', 0.0):.3f}s + scoring)")
     click.echo(f"engine overhead (perturb + restore + update): {100 * engine / total:.1f}% of step time")

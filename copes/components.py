@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from copes.config import ConfigError, TrainConfig
 from copes.metrics import PhaseTimer
-from copes.tasks import Task
+from copes.tasks import Task, get_task
 
 if TYPE_CHECKING:  # the strategies (and torch) load only when a run builds one
     from copes.strategies.base import Strategy
@@ -29,6 +29,15 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
         return CoPESLowRank(model, num_subspaces=cfg.subspaces, rank=cfg.rank, **common)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def task_from_config(cfg: TrainConfig) -> Task:
+    """The run's task with its options (data_dir included); an unknown task or option is a ConfigError."""
+    options = {**cfg.task_options, **({"data_dir": cfg.data_dir} if cfg.data_dir else {})}
+    try:
+        return get_task(cfg.task, **options)
+    except (ValueError, TypeError) as error:  # unknown task, or an option the task does not take
+        raise ConfigError(f"task {cfg.task}: {error}") from None
 
 
 class TimedTool:

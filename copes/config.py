@@ -1,4 +1,5 @@
-"""Run configuration: one dataclass with help text; YAML files and CLI flags map onto it.
+"""Run configuration: one dataclass with help text, choices and defaults; YAML files and CLI flags map onto it
+(the CLI's options are generated from the fields, see `copes.cli`).
 
 Precedence, lowest first: the dataclass defaults (the paper's hyperparameters) < the model's own preset
 (`copes.yaml` inside a model directory, e.g. the embedded tiny model) < `--config FILE.yaml` < CLI flags.
@@ -7,39 +8,47 @@ Precedence, lowest first: the dataclass defaults (the paper's hyperparameters) <
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-ALGORITHMS = ("copes", "es", "eggroll", "copes-lowrank")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-RESTORES = ("device", "host", "subtract")
-EMBEDDED_MODEL = "tiny"
-PRESET_FILE = "copes.yaml"
+from copes.choices import ALGORITHMS, DTYPES, FITNESS_MODES, RESTORE_MODES, TOOL_FORMATS
+from copes.errors import UserError
+
+# Where each algorithm-specific option applies; an option set for any other algorithm is ignored (with a warning).
+PER_MEMBER_ALGORITHMS = ("copes", "es")
+LOWRANK_ALGORITHMS = ("eggroll", "copes-lowrank")
+SUBSPACE_ALGORITHMS = ("copes", "copes-lowrank")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration the user must fix; the CLI prints it as one line and exits with status 2."""
 
 
-def _opt(default: Any, help: str, **kwargs: Any) -> Any:
+def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+         algorithms: tuple[str, ...] | None = None) -> Any:
+    """A config field: `help` and `choices` become the CLI option's; `algorithms` lists where it applies."""
+    metadata = {"help": help, "choices": choices, "algorithms": algorithms}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs)
-    return field(default=default, metadata={"help": help}, **kwargs)
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class TrainConfig:
-    model: str = _opt(EMBEDDED_MODEL, "model directory or hub id; 'tiny' is the embedded default model")
+    model: str = _opt("tiny", "model directory or hub id; 'tiny' is the embedded default model")
     task: str = _opt("arithmetic", "task name (copes.tasks): gsm8k, math, math500, aime24, aime25, hotpotqa, 2wiki, musique, arithmetic")
-    algorithm: str = _opt("copes", "copes | es (copes with K=1) | eggroll | copes-lowrank")
+    task_options: dict[str, Any] = _opt({}, "keyword options of the task, e.g. qa_metric=em, digit_shaping=0.5, validation_size=500")
+    algorithm: str = _opt("copes", "copes | es (copes with K=1) | eggroll | copes-lowrank", choices=ALGORITHMS)
     population: int = _opt(40, "N: perturbed members per step (paper: 40)")
-    subspaces: int = _opt(4, "K: random parameter subspaces per step (paper: 4); forced to 1 for es")
+    subspaces: int = _opt(4, "K: random parameter subspaces per step (paper: 4); 1 for es and eggroll",
+                          algorithms=SUBSPACE_ALGORITHMS)
     sigma: float = _opt(1e-3, "noise scale sigma; each subspace uses sqrt(K) * sigma (paper: 1e-3)")
     lr: float = _opt(5e-4, "learning rate alpha (paper: 5e-4)")
-    rank: int = _opt(1, "EGGROLL rank r of each member's perturbation (eggroll, copes-lowrank)")
+    rank: int = _opt(1, "EGGROLL rank r of each member's perturbation", algorithms=LOWRANK_ALGORITHMS)
     steps: int = _opt(100, "ES steps to run")
     prompt_batch: int = _opt(64, "questions per step, shared by every member (paper: 64)")
     max_new_tokens: int = _opt(1024, "tokens generated per turn")
@@ -48,15 +57,19 @@ class TrainConfig:
     max_turns: int = _opt(8, "agent turns per question (tool calls need turns)")
     max_context_tokens: int = _opt(131072, "hard cap on prompt + generated tokens per question (paper: 128K)")
     tools: bool = _opt(True, "let the agent call the Python sandbox and search (where the task supports them)")
+    tool_budgets: dict[str, int] = _opt({}, "calls allowed per tool per question, e.g. python=5 search=3 (default: the paper's for the task kind)")
+    tool_format: str = _opt("auto", "tool-call format: qwen (<tool_call> JSON) | tags (<python>/<search>) | auto (from the chat template)", choices=TOOL_FORMATS)
     search_corpus: str | None = _opt(None, "BM25 corpus jsonl for the search tool (default: built from the task's contexts)")
     retriever_url: str | None = _opt(None, "Search-R1 style retrieval server URL instead of local BM25")
-    fitness: str | None = _opt(None, "reward standardisation: joint | per_subspace | centered_rank | per_question "
-                                     "(default: joint for copes/es/copes-lowrank, per_question for eggroll)")
-    dtype: str = _opt("auto", "weights dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16")
+    fitness: str | None = _opt(None, "reward standardisation (default: joint for copes/es/copes-lowrank, "
+                                     "per_question for eggroll)", choices=FITNESS_MODES)
+    dtype: str = _opt("auto", "weights dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16",
+                      choices=DTYPES)
     device: str = _opt("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
     cpu_threads: int = _opt(0, "torch intra-op threads on CPU (0: torch's default); tiny models run fastest on 1")
-    restore: str = _opt("device", "how a member's perturbation is undone: device backup | host backup | subtract")
-    chunk_size: int = _opt(65536, "elements per partition chunk")
+    restore: str = _opt("device", "how a member's perturbation is undone: device backup | host backup | subtract",
+                        choices=RESTORE_MODES, algorithms=PER_MEMBER_ALGORITHMS)
+    chunk_size: int = _opt(65536, "elements per partition chunk", algorithms=PER_MEMBER_ALGORITHMS)
     seed: int = _opt(0, "seeds the data order, every noise stream and the partition")
     eval_split: str = _opt("validation", "split used for held-out accuracy (falls back to test if absent)")
     eval_size: int = _opt(200, "held-out questions evaluated before, during and after training")
@@ -73,12 +86,12 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Reject inconsistent settings with one sentence naming the option."""
-        if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"unknown algorithm {self.algorithm!r}; choose one of: {', '.join(ALGORITHMS)}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(DTYPES)}")
-        if self.restore not in RESTORES:
-            raise ConfigError(f"unknown restore {self.restore!r}; choose one of: {', '.join(RESTORES)}")
+        for option in fields(self):
+            choices, value = option.metadata["choices"], getattr(self, option.name)
+            if choices and value is not None and value not in choices:
+                raise ConfigError(f"unknown {option.name} {value!r}; choose one of: {', '.join(choices)}")
+        if any(not isinstance(calls, int) or calls < 0 for calls in self.tool_budgets.values()):
+            raise ConfigError(f"--tool-budgets must map tool names to call counts >= 0, got {self.tool_budgets}")
         for name in ("sigma", "lr"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
@@ -107,6 +120,10 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def ignored_options(self, names: Collection[str]) -> list[str]:
+        """Those of `names` (options the user set) that the chosen algorithm does not use."""
+        return [f.name for f in fields(self) if f.name in names and self.algorithm not in (f.metadata["algorithms"] or ALGORITHMS)]
 
 
 FIELD_NAMES = {f.name for f in fields(TrainConfig)}
@@ -147,11 +164,16 @@ def build_config(*layers: dict[str, Any]) -> TrainConfig:
 
 
 def _coerce(name: str, value: Any, annotation: str) -> Any:
-    target = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation.split(" |")[0])
     if annotation.startswith("list"):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"option {name} must be a list, got {value!r}")
         return [str(v) for v in value]
+    if annotation.startswith("dict"):
+        if not isinstance(value, dict):
+            raise ConfigError(f"option {name} must be a mapping of key: value, got {value!r}")
+        value_type = annotation.split(",", 1)[1].strip(" ]")
+        return {str(k): _coerce(f"{name}.{k}", v, value_type) for k, v in value.items()}
+    target = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation.split(" |")[0])
     if target is None or isinstance(value, target) and not (target is int and isinstance(value, bool)):
         return value
     try:

@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from copes.rollout.agent import BUDGETS_BY_KIND, AgentConfig, Trajectory, derive_seed, run_agent
+from copes.rollout.agent import AgentConfig, Trajectory, derive_seed, run_agent
 from copes.tasks.base import Example, Score, Task
 from copes.tools import Tool
 
@@ -142,7 +142,7 @@ def evaluate(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     greedy = n_samples == 1 if greedy is None else greedy
     if agent_config is None:
-        agent_config = AgentConfig.for_kind(task.kind) if task.kind in BUDGETS_BY_KIND else AgentConfig(max_turns=1)
+        agent_config = AgentConfig.for_task(task)
     config = replace(agent_config, greedy=greedy, temperature=temperature)
 
     started = time.perf_counter()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-FITNESS_MODES = ("joint", "per_subspace", "centered_rank", "per_question")
+from copes.choices import FITNESS_MODES
 
 
 def sanitize_rewards(rewards: torch.Tensor | Sequence[Any]) -> tuple[torch.Tensor, int]:

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from copes.config import ConfigError
+from copes.errors import UserError
 
-PHASES = ("generate", "tools", "perturb", "restore", "update", "evaluate", "checkpoint")
 
 
 class PhaseTimer:
@@ -66,7 +65,7 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ConfigError("--tensorboard needs the tensorboard package: pip install 'copes[tensorboard]'") from None
+                raise UserError("TensorBoard output needs the tensorboard package: pip install 'copes[tensorboard]'") from None
             self.board = SummaryWriter(str(path.parent / "tensorboard"))
         if keep_through_step and path.exists():
             for line in path.read_text(encoding="utf-8").splitlines():

@@ -7,9 +7,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from copes.config import EMBEDDED_MODEL, ConfigError
+from copes.errors import UserError
 
+EMBEDDED_MODEL = "tiny"  # the name that picks the model shipped in copes/assets
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
+PRESET_FILE = "copes.yaml"  # a model folder's own recommended ES settings
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,9 +25,9 @@ def resolve_model_path(model: str) -> str:
     if not looks_like_path:
         return model
     if not path.is_dir():
-        raise ConfigError(f"model path {model} does not exist (give a model folder or a hub id like Qwen/Qwen3.5-4B)")
+        raise UserError(f"model path {model} does not exist (give a model folder or a hub id like Qwen/Qwen3.5-4B)")
     if not any((path / name).exists() for name in WEIGHT_FILES):
-        raise ConfigError(f"model folder {model} has no weights (expected one of: {', '.join(WEIGHT_FILES)})")
+        raise UserError(f"model folder {model} has no weights (expected one of: {', '.join(WEIGHT_FILES)})")
     return str(path)
 
 
@@ -35,9 +37,9 @@ def resolve_device(device: str) -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError:
-        raise ConfigError(f"unknown device {device!r} (use auto, cpu, cuda or cuda:N)") from None
+        raise UserError(f"unknown device {device!r} (use auto, cpu, cuda or cuda:N)") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device} asked for CUDA but no CUDA GPU is visible")
+        raise UserError(f"device {device!r} asks for CUDA but no CUDA GPU is visible")
     return resolved
 
 
@@ -59,7 +61,7 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(path)
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     except OSError as error:
-        raise ConfigError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
+        raise UserError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -71,7 +73,7 @@ def read_preset(model: str) -> Path | None:
     """The model's own recommended ES settings (`copes.yaml` in its folder), if it ships one."""
     try:
         path = Path(resolve_model_path(model))
-    except ConfigError:
+    except UserError:
         return None
-    preset = path / "copes.yaml"
+    preset = path / PRESET_FILE
     return preset if preset.is_file() else None

@@ -49,10 +49,9 @@ from typing import Any
 import torch
 
 import copes_kernels as ck
+from copes.choices import RESTORE_MODES, UPDATE_PRECISIONS
 from copes.failpoints import failpoint
 
-RESTORE_MODES = ("device", "host", "subtract")
-UPDATE_PRECISIONS = ("auto", "native", "stochastic", "master_device", "master_host")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # (parameter index, offset of the slice in the parameter, fp32 gradient estimate of the slice) -> fp32 delta.

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from copes import checkpoint as ckpt
-from copes.components import build_strategy, build_tools
+from copes.components import build_strategy, build_tools, task_from_config
 from copes.config import ConfigError, TrainConfig
 from copes.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, init_distributed,
                                members_for_rank)
@@ -28,10 +28,10 @@ from copes.modeling import load_model
 from copes.rollout import AgentConfig
 from copes.scoring import rollout_rewards
 from copes.strategies.base import WHOLE_POPULATION
-from copes.tasks import Example, get_task
+from copes.tasks import Example
 
 # Options a checkpoint must share with the run that resumes it, or the continuation would not be that run.
-RESUME_KEYS = ("model", "task", "algorithm", "population", "subspaces", "sigma", "lr", "rank", "prompt_batch",
+RESUME_KEYS = ("model", "task", "task_options", "algorithm", "population", "subspaces", "sigma", "lr", "rank", "prompt_batch",
                "fitness", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens")
 
 
@@ -66,10 +66,7 @@ class Trainer:
             probe.unlink()
         except OSError as error:
             raise ConfigError(f"output dir {self.out} is not writable: {error.strerror or error}") from None
-        try:
-            self.task = get_task(cfg.task, **({"data_dir": cfg.data_dir} if cfg.data_dir else {}))
-        except (ValueError, TypeError) as error:  # unknown task, or an option the task does not take
-            raise ConfigError(str(error)) from None
+        self.task = task_from_config(cfg)
         self.train_set = self.task.examples("train")
         if not self.train_set:
             raise ConfigError(f"task {cfg.task} has no training examples")
@@ -80,8 +77,8 @@ class Trainer:
             torch.set_num_threads(cfg.cpu_threads)
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out)
         limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens,
-                      greedy=True, batch_size=cfg.rollout_batch)
-        self.agent = AgentConfig.for_kind(self.task.kind, **limits) if self.task.kind in ("math", "qa") else AgentConfig(**limits)
+                      greedy=True, batch_size=cfg.rollout_batch, tool_format=cfg.tool_format)
+        self.agent = AgentConfig.for_task(self.task, **limits, **({"budgets": cfg.tool_budgets} if cfg.tool_budgets else {}))
         self.strategy = build_strategy(cfg, self.model)
         self.start_step, self.evals, self.eval_before = 0, [], None
 
@@ -141,7 +138,7 @@ class Trainer:
     def held_out(self, step: int) -> dict[str, Any]:
         if not self.eval_set:
             return {"step": step, "accuracy": None, "reward": None}
-        with self.timer("evaluate"):
+        with self.timer("held_out"):
             result = evaluate(self.model, self.tokenizer, self.task, self.eval_set, tools=self.tools,
                               agent_config=self.agent, progress=False)
         record = {"step": step, "accuracy": result.accuracy, "reward": result.mean_reward}
@@ -188,8 +185,8 @@ class Trainer:
             examples = [self.train_set[i] for i in batch_indices(step, cfg.prompt_batch, len(self.train_set), cfg.seed)]
             phase_before = dict(self.timer.seconds)
             stats = self.population_step(step, examples)
-            for phase in ("perturb", "restore", "update"):
-                self.timer.add(phase, getattr(stats, f"{phase}_seconds"))
+            for phase, seconds in stats.phase_seconds().items():  # rollout includes generate and tools
+                self.timer.add(phase, seconds)
             record = {"step": step + 1, **{k: v for k, v in asdict(stats).items() if not k.endswith("_seconds") and k != "step"},
                       "time": {k: round(v - phase_before.get(k, 0.0), 4) for k, v in self.timer.seconds.items()}}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:

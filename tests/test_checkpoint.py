@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from copes import checkpoint as ckpt
-from copes.config import ConfigError
+from copes.errors import UserError
 
 
 class _Saveable:
@@ -59,7 +59,7 @@ def test_a_half_written_checkpoint_leaves_the_previous_one_current(tmp_path):
 def test_corruption_and_non_checkpoints_are_clear_errors(tmp_path):
     folder = _save(tmp_path, 1, {"x": torch.ones(3)})
     (folder / "es_state.safetensors").write_bytes(b"garbage")
-    with pytest.raises(ConfigError, match="is corrupt: es_state.safetensors"):
+    with pytest.raises(UserError, match="is corrupt: es_state.safetensors"):
         ckpt.load_checkpoint(folder)
-    with pytest.raises(ConfigError, match="is not a checkpoint"):
+    with pytest.raises(UserError, match="is not a checkpoint"):
         ckpt.find_checkpoint(tmp_path / "nothing-here")

@@ -93,6 +93,14 @@ class AgentConfig:
             raise ValueError(f"kind must be one of {sorted(BUDGETS_BY_KIND)}, got {kind!r}")
         return cls(**{"budgets": dict(BUDGETS_BY_KIND[kind]), **overrides})
 
+    @classmethod
+    def for_task(cls, task: Any, **overrides: Any) -> AgentConfig:
+        """The one rule for a task's agent: the paper's budgets for its `kind` where the paper gives them (math,
+        qa), the defaults otherwise (raw-prompt tasks run one turn without tools anyway); `overrides` win."""
+        if task.kind in BUDGETS_BY_KIND:
+            return cls.for_kind(task.kind, **overrides)
+        return cls(**overrides)
+
 
 @dataclass(frozen=True)
 class ToolCallRecord:

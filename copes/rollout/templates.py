@@ -24,9 +24,9 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from copes.choices import TOOL_FORMATS
 from copes.tools import Tool, tool_schema
 
-TOOL_FORMATS = ("auto", "qwen", "tags")
 QWEN_CALL_OPEN, QWEN_CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 

@@ -179,7 +179,7 @@ class ESBase(ABC):
         self.scale_sigma = bool(scale_sigma)
         self._step = 0
         self._plan: StepPlan | None = None
-        self._seconds = dict.fromkeys(STEP_PHASES[:-1], 0.0)
+        self._seconds = dict.fromkeys(STEP_PHASES[:-1], 0.0)  # the update is timed by apply_update itself
 
     @property
     def step_count(self) -> int:

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from copes.errors import UserError
 from copes.tasks.base import Example
 
 DATA_DIR_ENV = "COPES_DATA_DIR"
 LOCAL_FORMATS = (".jsonl", ".json", ".parquet")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset file or row that cannot be used; the message names the file (or hub id) and the line."""
 
 
