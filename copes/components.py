@@ -70,26 +70,17 @@ def build_tools(
         if not Path(corpus).is_file():
             raise ConfigError(f"search corpus {corpus} does not exist")
         tools.append(SearchTool(BM25Search(corpus)))
-    elif task.kind == "qa" and (built := task_corpus(task, corpus_dir)) is not None:
+    elif (built := task_corpus(task, corpus_dir)) is not None:
         tools.append(SearchTool(BM25Search(built)))
     return [TimedTool(tool, timer) for tool in tools]
 
 
 def task_corpus(task: Task, folder: Path) -> Path | None:
-    """A BM25 corpus of every context paragraph the task's splits carry (HotpotQA, 2Wiki); None when they carry
-    none (MuSiQue: give --search-corpus or --retriever-url)."""
-    from copes.tasks.loading import DatasetError
+    """A BM25 corpus of every context paragraph the task's data carries (HotpotQA, 2Wiki); None when it carries
+    none (give --search-corpus or --retriever-url then)."""
     from copes.tools import write_corpus
 
-    paragraphs = []
-    for split in ("train", "validation", "test"):
-        try:
-            examples = task.examples(split)
-        except (ValueError, DatasetError):
-            continue
-        for example in examples:
-            # HotpotQA sentences carry their own leading spaces, so plain concatenation restores the paragraph.
-            paragraphs += [(title, "".join(sentences).strip()) for title, sentences in example.meta.get("paragraphs", [])]
+    paragraphs = task.corpus_paragraphs()
     if not paragraphs:
         return None
     path = folder / f"{task.name}_corpus.jsonl"

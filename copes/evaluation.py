@@ -14,6 +14,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from copes.rollout.agent import AgentConfig, Trajectory, derive_seed, run_agent
+from copes.scoring import score_rollouts
 from copes.tasks.base import Example, Score, Task
 from copes.tools import Tool
 
@@ -74,17 +75,6 @@ def _sample_record(trajectory: Trajectory, score: Score) -> dict[str, Any]:
         "final_text": trajectory.final_text,
         "completion": trajectory.completion,
     }
-
-
-def score_rollouts(task: Task, examples: Sequence[Example], trajectories: Sequence[Trajectory]) -> list[Score]:
-    """Score each trajectory's last turn; a task's optional `score_batch` (the math tasks verify a whole batch
-    on all workers at once) is used when it has one."""
-    texts = [trajectory.final_text for trajectory in trajectories]
-    used_tools = [trajectory.used_tool for trajectory in trajectories]
-    score_batch = getattr(task, "score_batch", None)
-    if score_batch is not None:
-        return score_batch(texts, list(examples), used_tools)
-    return [task.score(text, example, used_tool=used) for text, example, used in zip(texts, examples, used_tools)]
 
 
 def _summarize(

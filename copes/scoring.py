@@ -1,4 +1,5 @@
-"""Rewards of one prompt batch: roll the agent out, score every trajectory with the task.
+"""Rewards of one prompt batch: roll the agent out, score every trajectory with the task (also the scoring
+step of held-out evaluation, `copes.evaluation`).
 
 CoPES calls this once per member (the member's perturbation is in the weights); EGGROLL once for the whole
 population, each question repeated per member and every batch row mapped to its member through `row_members`.
@@ -11,10 +12,14 @@ from typing import Any
 
 import torch
 
-from copes.evaluation import score_rollouts
 from copes.metrics import PhaseTimer
-from copes.rollout import AgentConfig, run_agent
-from copes.tasks import Example, Task
+from copes.rollout import AgentConfig, Trajectory, run_agent
+from copes.tasks import Example, Score, Task
+
+
+def score_rollouts(task: Task, examples: Sequence[Example], trajectories: Sequence[Trajectory]) -> list[Score]:
+    """Score each trajectory's last turn, the whole batch in one `task.score_batch` call."""
+    return task.score_batch([t.final_text for t in trajectories], list(examples), [t.used_tool for t in trajectories])
 
 
 def rollout_rewards(

@@ -14,7 +14,7 @@ from tiny_models import ScriptedPolicy, build_tiny_lm, build_tiny_tokenizer, one
 
 from copes.evaluation import EvalResult, evaluate, format_table, pass_at_k
 from copes.rollout.agent import AgentConfig
-from copes.tasks import Example, Score, get_task
+from copes.tasks import Example, Score, TaskBase, get_task
 from copes.tools import PythonTool
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -49,7 +49,7 @@ def test_pass_at_k_rejects_bad_arguments(n, c, k, name):
         pass_at_k(n, c, k)
 
 
-class FakeMathTask:
+class FakeMathTask(TaskBase):
     """Correct when the last word of the output is a gold answer; +0.5 reward for using a tool."""
 
     name = "fake-math"

@@ -7,7 +7,9 @@ rollout. Rollouts (copes.rollout) know nothing about datasets; the trainer knows
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class Score:
 
 class Task(Protocol):
     name: str
-    kind: str  # "math" | "qa" | "synthetic": picks the system prompt, the answer format and the tool budgets
+    kind: str  # "math" | "qa" | "synthetic": the task family; picks the agent's tool budgets (AgentConfig.for_task)
     # True when prompts go through the tokenizer's chat template; the tiny synthetic task uses raw text.
     chat: bool
 
@@ -46,6 +48,46 @@ class Task(Protocol):
     def score(self, completion: str, example: Example, *, used_tool: bool = False) -> Score:
         """Score the model's whole output for `example` (answer extraction included)."""
         ...
+
+    def score_batch(
+        self, completions: Sequence[str], examples: Sequence[Example], used_tools: Sequence[bool] | None = None
+    ) -> list[Score]:
+        """`score` for many rollouts at once (the math tasks verify a whole batch on all workers in parallel)."""
+        ...
+
+    def corpus_paragraphs(self) -> list[tuple[str, str]]:
+        """(title, text) of every context paragraph the task's data carries, for a local search corpus (QA);
+        empty when it carries none."""
+        ...
+
+
+class TaskBase(ABC):
+    """The protocol's batch and corpus methods for a task that scores one rollout at a time and has no corpus."""
+
+    @abstractmethod
+    def score(self, completion: str, example: Example, *, used_tool: bool = False) -> Score:
+        """Score the model's whole output for `example` (answer extraction included)."""
+
+    def score_batch(
+        self, completions: Sequence[str], examples: Sequence[Example], used_tools: Sequence[bool] | None = None
+    ) -> list[Score]:
+        used = batch_used_tools(completions, examples, used_tools)
+        return [self.score(c, e, used_tool=u) for c, e, u in zip(completions, examples, used)]
+
+    def corpus_paragraphs(self) -> list[tuple[str, str]]:
+        return []
+
+
+def batch_used_tools(
+    completions: Sequence[str], examples: Sequence[Example], used_tools: Sequence[bool] | None
+) -> list[bool]:
+    """`used_tools` as a list (all False when None), after checking the three sequences are aligned."""
+    used = [False] * len(completions) if used_tools is None else list(used_tools)
+    if not len(completions) == len(examples) == len(used):
+        raise ValueError(
+            f"completions, examples and used_tools differ in length: {len(completions)}, {len(examples)}, {len(used)}"
+        )
+    return used
 
 
 TaskFactory = Callable[..., Task]

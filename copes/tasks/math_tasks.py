@@ -13,9 +13,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from copes.rewards import extract_answer, format_reward, last_boxed, math_correct_batch, tool_bonus
-from copes.tasks.base import Example, Score, register
-from copes.tasks.loading import CachedSplits, DatasetError, HubSplit, load_split_rows, resolve_data_dir
+from copes.rewards import extract_answer, last_boxed, math_correct_batch
+from copes.tasks.base import Example, Score, batch_used_tools, register
+from copes.tasks.dataset import DatasetTask
+from copes.tasks.loading import DatasetError, HubSplit, load_split_rows, resolve_data_dir
 
 MATH_INSTRUCTION = (
     "Solve the following math problem. Reason step by step. You may use the available tools, for example run "
@@ -24,7 +25,7 @@ MATH_INSTRUCTION = (
 )
 
 
-class MathTask:
+class MathTask(DatasetTask):
     """A math dataset as a `Task`; `splits` maps each split name to a function building its examples."""
 
     kind = "math"
@@ -39,14 +40,8 @@ class MathTask:
         tool_bonus: bool = True,
         timeout_s: float | None = None,
     ) -> None:
-        self.name = name
-        self.use_format_reward = format_reward
-        self.use_tool_bonus = tool_bonus
+        super().__init__(name, splits, format_reward=format_reward, tool_bonus=tool_bonus)
         self.timeout_s = timeout_s  # per math-verify check; None = the pool's default
-        self._splits = CachedSplits(name, splits)
-
-    def examples(self, split: str, limit: int | None = None) -> list[Example]:
-        return self._splits.get(split, limit)
 
     def prompt(self, example: Example) -> str:
         return f"{MATH_INSTRUCTION}\n\nProblem: {example.question}"
@@ -58,12 +53,7 @@ class MathTask:
         self, completions: Sequence[str], examples: Sequence[Example], used_tools: Sequence[bool] | None = None
     ) -> list[Score]:
         """`score` for many rollouts at once: the math-verify checks run in parallel on the worker pool."""
-        used_tools = [False] * len(completions) if used_tools is None else list(used_tools)
-        if not len(completions) == len(examples) == len(used_tools):
-            raise ValueError(
-                f"completions, examples and used_tools differ in length: "
-                f"{len(completions)}, {len(examples)}, {len(used_tools)}"
-            )
+        used_tools = batch_used_tools(completions, examples, used_tools)
         answers = [extract_answer(completion) for completion in completions]
         # One check per (rollout, accepted gold); a rollout is correct when any of its golds matches.
         owners = [index for index, example in enumerate(examples) for _ in example.golds]
@@ -76,17 +66,10 @@ class MathTask:
         for index, verdict in zip(owners, verdicts):
             correct[index] = correct[index] or verdict
         return [
-            Score(reward=self._reward(completion, is_correct, used_tool), correct=is_correct, answer=answer)
+            Score(reward=self._shaped_reward(float(is_correct), completion, is_correct, used_tool), correct=is_correct,
+                  answer=answer)
             for completion, is_correct, used_tool, answer in zip(completions, correct, used_tools, answers)
         ]
-
-    def _reward(self, completion: str, correct: bool, used_tool: bool) -> float:
-        reward = float(correct)
-        if self.use_format_reward:
-            reward += format_reward(completion, "math")
-        if self.use_tool_bonus:
-            reward += tool_bonus(correct, used_tool)
-        return reward
 
 
 def _gsm8k_gold(solution: str, where: str) -> str:

@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from copes.rewards import extract_answer, format_reward, qa_scores, tool_bonus
+from copes.rewards import extract_answer, qa_scores
 from copes.rewards.qa import NORMALIZATIONS, QA_METRICS
 from copes.tasks.base import Example, Score, register
-from copes.tasks.loading import CachedSplits, DatasetError, HubSplit, load_split_rows, resolve_data_dir
+from copes.tasks.dataset import DatasetTask
+from copes.tasks.loading import DatasetError, HubSplit, load_split_rows, resolve_data_dir
 
 QA_INSTRUCTION = (
     "Answer the following question. Reason step by step. You may use the available tools, for example search "
@@ -29,7 +30,7 @@ QA_INSTRUCTION = (
 )
 
 
-class QATask:
+class QATask(DatasetTask):
     """A QA dataset as a `Task`; `splits` maps each split name to a function building its examples."""
 
     kind = "qa"
@@ -49,15 +50,9 @@ class QATask:
             raise ValueError(f"qa_metric must be one of {QA_METRICS}, got {qa_metric!r}")
         if qa_normalization not in NORMALIZATIONS:
             raise ValueError(f"qa_normalization must be one of {NORMALIZATIONS}, got {qa_normalization!r}")
-        self.name = name
-        self.use_format_reward = format_reward
-        self.use_tool_bonus = tool_bonus
+        super().__init__(name, splits, format_reward=format_reward, tool_bonus=tool_bonus)
         self.qa_metric = qa_metric
         self.qa_normalization = qa_normalization
-        self._splits = CachedSplits(name, splits)
-
-    def examples(self, split: str, limit: int | None = None) -> list[Example]:
-        return self._splits.get(split, limit)
 
     def prompt(self, example: Example) -> str:
         return f"{QA_INSTRUCTION}\n\nQuestion: {example.question}"
@@ -70,31 +65,27 @@ class QATask:
         answer = extract_answer(completion)
         value = self.metrics(answer, example)[self.qa_metric]
         correct = value >= 1.0
-        reward = value
-        if self.use_format_reward:
-            reward += format_reward(completion, "qa")
-        if self.use_tool_bonus:
-            reward += tool_bonus(correct, used_tool)
-        return Score(reward=reward, correct=correct, answer=answer)
+        return Score(reward=self._shaped_reward(value, completion, correct, used_tool), correct=correct, answer=answer)
 
-    def score_batch(
-        self, completions: Sequence[str], examples: Sequence[Example], used_tools: Sequence[bool] | None = None
-    ) -> list[Score]:
-        """`score` over many rollouts (same interface as MathTask.score_batch)."""
-        used_tools = [False] * len(completions) if used_tools is None else list(used_tools)
-        if not len(completions) == len(examples) == len(used_tools):
-            raise ValueError(
-                f"completions, examples and used_tools differ in length: "
-                f"{len(completions)}, {len(examples)}, {len(used_tools)}"
-            )
-        return [self.score(c, e, used_tool=u) for c, e, u in zip(completions, examples, used_tools)]
+    def corpus_paragraphs(self) -> list[tuple[str, str]]:
+        """Every context paragraph of every split whose data can be read, split by split in file order."""
+        paragraphs = []
+        for split in self.splits:
+            try:
+                examples = self.examples(split)
+            except DatasetError:  # a split with no local file and no hub copy
+                continue
+            for example in examples:
+                # HotpotQA sentences carry their own leading spaces, so plain concatenation restores the paragraph.
+                paragraphs += [(title, "".join(sentences).strip()) for title, sentences in example.meta.get("paragraphs", [])]
+        return paragraphs
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Row layouts.
 
 
-def _paragraphs(context: Any, where: str) -> list[tuple[str, list[str]]]:
+def parse_paragraphs(context: Any, where: str) -> list[tuple[str, list[str]]]:
     """(title, sentences) pairs from a column layout (`{"title": [...], "sentences" | "content": [[...]]}`),
     a list of `[title, sentences]` pairs (original HotpotQA / 2Wiki JSON) or MuSiQue paragraph objects."""
     if isinstance(context, dict) and "title" in context:
@@ -131,7 +122,7 @@ def _qa_example(row: dict[str, Any], *, name: str, split: str, index: int, golds
     meta = {key: value for key, value in row.items() if key not in ("id", "_id", "question", "context", "paragraphs")}
     context = row.get("context", row.get("paragraphs"))
     if context is not None:
-        meta["paragraphs"] = _paragraphs(context, where)
+        meta["paragraphs"] = parse_paragraphs(context, where)
     if row.get("supporting_facts") is not None:
         meta["supporting_facts"] = _supporting_facts(row["supporting_facts"], where)
     return Example(id=str(row_id), question=row["question"], golds=golds, meta=meta)

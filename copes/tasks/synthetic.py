@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-from copes.tasks.base import Example, Score, register
+from copes.tasks.base import Example, Score, TaskBase, register
 
 SPLITS = ("train", "validation", "test")
 SUPPORTED_OPERATIONS = "+-*"
@@ -61,7 +61,7 @@ def digit_accuracy(answer: str, gold: str) -> float:
 
 
 @register("arithmetic")
-class ArithmeticTask:
+class ArithmeticTask(TaskBase):
     """Options (all keyword): seed, operations (subset of "+-*"), max_digits, split sizes, digit_shaping."""
 
     name = "arithmetic"
