@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_models import ScriptedPolicy, build_tiny_lm, build_tiny_tokenizer, one_torch_thread  # noqa: F401  (autouse fixture)
+from tiny_models import ScriptedPolicy, build_tiny_tokenizer
 
 from copes.rollout.agent import AgentConfig, Trajectory, run_agent
 from copes.rollout.generate import generate_batch, prompt_token_counts
@@ -19,11 +19,6 @@ from copes.tools import BM25Search, PythonTool, SearchTool, build_corpus_from_ho
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 QWEN_TURN_MARKER = "<tool_response>"
 TAG_TURN_MARKER = "\n<result>\n"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
@@ -292,11 +287,6 @@ def test_agent_config_defaults_and_validation():
 
 
 # ---------------------------------------------------------------- the tiny real model
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return build_tiny_lm(tokenizer, seed=0)
 
 
 @pytest.fixture(scope="module")

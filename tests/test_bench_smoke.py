@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_models import build_tiny_checkpoint, load_checkpoint, one_torch_thread  # noqa: F401  (autouse fixture)
+from tiny_models import build_tiny_checkpoint, load_checkpoint
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH_DIR))

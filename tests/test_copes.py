@@ -9,43 +9,24 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 import copes
 from copes.strategies.copes import CoPES, StepStats, step_seed
-from test_params import DTYPES, dense_member_noise, flat_weights, toy_mlp
+from es_helpers import DTYPES, dense_member_noise, flat_weights, toy_mlp
+from tiny_models import tiny_qwen3
 
-# A fixed regression task for the MLP of test_params (5 -> 17 -> 3).
+# A fixed regression task for the toy MLP (5 -> 17 -> 3).
 _inputs = torch.randn(64, 5, generator=torch.Generator().manual_seed(1))
 _targets = torch.sin(_inputs @ torch.randn(5, 3, generator=torch.Generator().manual_seed(2)))
 # The target sequence whose log-probability the tiny LM learns to raise.
 _target_tokens = torch.tensor([[5, 17, 42, 8, 33, 21, 9, 60]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """These models are tiny: on a shared CPU, intra-op threads only add contention (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @torch.no_grad()
 def negative_mse(model: nn.Module) -> float:
     dtype = next(model.parameters()).dtype
     return -float(((model(_inputs.to(dtype)).float() - _targets) ** 2).mean())
-
-
-def tiny_qwen3(dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
-    """A random-weight Qwen3 causal LM: hidden 32, 2 layers, 64-token vocabulary, tied embeddings."""
-    config = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return Qwen3ForCausalLM(config).to(dtype).eval()
 
 
 @torch.no_grad()
@@ -191,7 +172,7 @@ def test_update_norm_is_the_norm_of_the_applied_change():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("restore", ["device", "host"])
 def test_restore_is_bit_exact_after_every_member(dtype, restore):
-    model = tiny_qwen3(dtype)
+    model = tiny_qwen3(dtype=dtype)
     es = CoPES(model, population=8, num_subspaces=4, sigma=0.05, chunk_size=64, restore=restore, stream_elements=1000)
     original = flat_weights(es.space)
     plan = es.plan()

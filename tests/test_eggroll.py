@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from tiny_models import tiny_qwen3
+from transformers import Qwen3ForCausalLM
 
 import copes_kernels as ck
 from copes.fitness import shape_fitness
@@ -29,15 +30,6 @@ from copes.strategies.copes import step_seed
 SEED = 7
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """These tensors are tiny: on a shared CPU a second intra-op thread only makes every op wait for a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -46,21 +38,8 @@ def mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
         ).to(dtype)
 
 
-def tiny_qwen3(tied: bool = True, seed: int = 0) -> Qwen3ForCausalLM:
-    config = Qwen3Config(
-        vocab_size=61,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Qwen3ForCausalLM(config).eval()
+def tiny_lm(tied: bool = True, seed: int = 0) -> Qwen3ForCausalLM:
+    return tiny_qwen3(seed=seed, vocab_size=61, tie_word_embeddings=tied)
 
 
 def make_strategy(model: nn.Module, num_subspaces: int, **kwargs) -> EGGROLL | CoPESLowRank:
@@ -132,7 +111,7 @@ def test_batched_forward_equals_per_member_forward_on_an_mlp(num_subspaces):
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("num_subspaces", [1, 3])
 def test_batched_forward_equals_per_member_forward_on_a_tiny_qwen3(tied, num_subspaces):
-    model = tiny_qwen3(tied)
+    model = tiny_lm(tied)
     es = make_strategy(model, num_subspaces, population=6)
     member_of_row = torch.tensor([5, 0, 2, 2, 1, 3, 4])
     token_ids = torch.randint(0, 61, (len(member_of_row), 9), generator=torch.Generator().manual_seed(2))
@@ -147,7 +126,7 @@ def test_batched_forward_equals_per_member_forward_on_a_tiny_qwen3(tied, num_sub
 
 
 def test_evaluation_never_writes_the_weights_and_the_update_only_moves_matrices():
-    model = tiny_qwen3()
+    model = tiny_lm()
     before = {name: t.clone() for name, t in model.state_dict().items()}
     es = make_strategy(model, 1)
     rewards = es.evaluate(lambda m, rows: _lm_rewards(m, rows, es.population))
@@ -253,7 +232,7 @@ def test_both_strategies_learn_the_mlp_regression(num_subspaces):
 
 @pytest.mark.parametrize("num_subspaces", [1, 2])
 def test_both_strategies_raise_the_log_probability_of_a_target_on_a_tiny_qwen3(num_subspaces):
-    model = tiny_qwen3()
+    model = tiny_lm()
     es = make_strategy(model, num_subspaces, population=8, sigma=0.02, lr=0.05, rank=1)
     initial = _base_reward(model, _lm_rewards)
     for _ in range(20):
@@ -316,7 +295,7 @@ def test_loading_a_state_from_another_configuration_fails():
 
 
 def test_hybrid_member_only_perturbs_its_groups_matrices():
-    model = tiny_qwen3()
+    model = tiny_lm()
     es = make_strategy(model, 3, population=6)
     groups = [int(g[0]) for g in es.plan().partition]
     counts = torch.bincount(torch.tensor(groups), minlength=3)

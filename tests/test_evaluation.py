@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from tiny_models import ScriptedPolicy, build_tiny_lm, build_tiny_tokenizer, one_torch_thread  # noqa: F401  (autouse fixture)
+from tiny_models import ScriptedPolicy, tiny_qwen3
 
 from copes.evaluation import EvalResult, evaluate, format_table, pass_at_k
 from copes.rollout.agent import AgentConfig
@@ -93,11 +93,6 @@ def sample_script():
         return TOOL_CALL if reply == "tool" else f"The answer is {reply.split()[-1]}"
 
     return script
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def test_evaluate_scores_samples_and_aggregates(tokenizer):
@@ -188,7 +183,7 @@ def test_evaluate_real_gsm8k_task_with_the_python_tool(tokenizer):
 def test_evaluate_synthetic_task_on_the_tiny_model(tokenizer):
     task = get_task("arithmetic")
     examples = task.examples("test", limit=6)
-    model = build_tiny_lm(tokenizer, seed=0)
+    model = tiny_qwen3(tokenizer, seed=0)
     result = evaluate(
         model, tokenizer, task, examples, agent_config=AgentConfig(max_turns=1, max_new_tokens=6), progress=False
     )

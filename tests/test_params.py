@@ -1,8 +1,4 @@
-"""ParameterSpace: selection, noise ids, chunking, perturb / restore per mode, update precision, streaming.
-
-`dense_member_noise` is the dense reference the strategy tests share: it materialises one member's noise on one
-subspace with ck.normal, independently of the chunked kernels.
-"""
+"""ParameterSpace: selection, noise ids, chunking, perturb / restore per mode, update precision, streaming."""
 
 from __future__ import annotations
 
@@ -12,20 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-import copes_kernels as ck
 from copes.params import ParameterSpace, tensor_id_for
+from es_helpers import DTYPES, dense_member_noise, flat_weights, toy_mlp
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SEED = 0x1234_5678_9ABC_DEF0
-
-
-def dense_member_noise(
-    numel: int, chunk_subspace: torch.Tensor, *, chunk_size: int, subspace: int, seed: int, member: int, tensor_id: int
-) -> torch.Tensor:
-    """eps_member of one parameter (flat, float32), zeroed outside `subspace`'s chunks."""
-    eps = ck.normal(numel, seed=seed, member=member, tensor_id=tensor_id)
-    in_subspace = chunk_subspace.to(torch.int64).repeat_interleave(chunk_size)[:numel] == subspace
-    return torch.where(in_subspace, eps, torch.zeros_like(eps))
 
 
 class TiedToy(nn.Module):
@@ -37,16 +23,6 @@ class TiedToy(nn.Module):
         self.norm = nn.LayerNorm(8)
         self.head = nn.Linear(8, 50, bias=False)
         self.head.weight = self.embed.weight
-
-
-def toy_mlp(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(5, 17), nn.Tanh(), nn.Linear(17, 3)).to(dtype)
-
-
-def flat_weights(space: ParameterSpace) -> list[torch.Tensor]:
-    return [p.data.detach().reshape(-1).clone() for p in space.parameters]
 
 
 # Two valid parameter names with the same CRC-32, found once by a birthday search over "w<i>".

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from tiny_models import build_tiny_checkpoint, build_tiny_lm, build_tiny_tokenizer, load_checkpoint, one_torch_thread  # noqa: F401  (autouse fixture)
+from tiny_models import build_tiny_checkpoint, build_tiny_tokenizer, load_checkpoint, tiny_qwen3
 
 from copes.rollout.generate import Generation, generate_batch, prompt_token_counts
 from copes.rollout.templates import (
@@ -26,16 +26,6 @@ PROMPTS = [
     "Natalia sold clips to 48 of her friends in April. <python>print(48 / 2)</python> so",
     "The final answer is",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return build_tiny_lm(tokenizer, seed=0)
 
 
 class _SchemaOnlyTool:
@@ -109,7 +99,7 @@ def test_stop_strings_stop_the_row_and_cut_the_text(model, tokenizer):
 
 
 def test_eos_ends_the_row_and_is_counted_but_not_decoded(tokenizer):
-    model = build_tiny_lm(tokenizer, seed=0)
+    model = tiny_qwen3(tokenizer, seed=0)
     encoded = tokenizer([PROMPTS[0]], return_tensors="pt")
     reference = model.generate(**encoded, max_new_tokens=12, do_sample=False)[
         0, encoded["input_ids"].shape[1] :
@@ -140,7 +130,7 @@ def test_sampling_is_reproducible_from_the_seed_and_leaves_the_global_rng_alone(
 def test_decoding_settings_are_not_inherited_from_the_checkpoint(model, tokenizer):
     greedy = generate_batch(model, tokenizer, PROMPTS, max_new_tokens=10)
     sampled = generate_batch(model, tokenizer, PROMPTS, max_new_tokens=10, greedy=False, temperature=1.5, seed=4)
-    shipped = build_tiny_lm(tokenizer, seed=0)
+    shipped = tiny_qwen3(tokenizer, seed=0)
     # A checkpoint that asks for sampling, and a top_k=1 that would turn any sampling into greedy decoding.
     shipped.generation_config.update(do_sample=True, temperature=0.7, top_k=1)
     assert generate_batch(shipped, tokenizer, PROMPTS, max_new_tokens=10) == greedy
@@ -153,14 +143,14 @@ def test_decoding_settings_are_not_inherited_from_the_checkpoint(model, tokenize
 def test_checkpoint_loaded_through_auto_classes_generates_like_the_original(tmp_path):
     path = build_tiny_checkpoint(tmp_path, seed=3)
     loaded_model, loaded_tokenizer = load_checkpoint(path)
-    original = build_tiny_lm(build_tiny_tokenizer(tmp_path), seed=3)
+    original = tiny_qwen3(build_tiny_tokenizer(tmp_path), seed=3)
     expected = generate_batch(original, loaded_tokenizer, PROMPTS, max_new_tokens=8)
     assert generate_batch(loaded_model, loaded_tokenizer, PROMPTS, max_new_tokens=8) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_models_generate(tokenizer, dtype):
-    model = build_tiny_lm(tokenizer, seed=0).to(dtype)
+    model = tiny_qwen3(tokenizer, seed=0).to(dtype)
     generations = generate_batch(model, tokenizer, PROMPTS, max_new_tokens=[3, 6, 9, 12], greedy=False, seed=2)
     for generation, limit in zip(generations, [3, 6, 9, 12]):  # a sampled EOS may end a row early
         assert generation.num_tokens == limit if generation.finished_by == "length" else generation.num_tokens <= limit
@@ -170,7 +160,7 @@ def test_half_precision_models_generate(tokenizer, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_generation_on_cuda(tokenizer):
-    model = build_tiny_lm(tokenizer, seed=0).to("cuda")
+    model = tiny_qwen3(tokenizer, seed=0).to("cuda")
     batched = generate_batch(model, tokenizer, PROMPTS, max_new_tokens=12, stop_strings=["answer"])
     assert batched == [
         generate_batch(model, tokenizer, [p], max_new_tokens=12, stop_strings=["answer"])[0] for p in PROMPTS

@@ -7,11 +7,10 @@ downloaded checkpoints (`save_pretrained` -> `AutoTokenizer` / `AutoModelForCaus
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -192,38 +191,45 @@ def build_tiny_tokenizer(
     return AutoTokenizer.from_pretrained(out_dir)
 
 
-def build_tiny_lm(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **config: Any) -> Qwen3ForCausalLM:
-    """A random-weight Qwen3 (hidden 64, 2 layers) sized to `tokenizer`; `config` overrides Qwen3Config fields."""
-    settings: dict[str, Any] = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": True,
-        # Wider than the 0.02 default so random logits have clear argmaxes (no near-ties for greedy tests).
-        "initializer_range": 0.2,
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": None,
-    }
+# The strategy tests' model: hidden 32, 2 layers, 64-token vocabulary, tied embeddings.
+SMALL_QWEN3 = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True,
+)
+
+
+def tiny_qwen3(
+    tokenizer: PreTrainedTokenizerFast | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+    **config: Any,
+) -> Qwen3ForCausalLM:
+    """The tests' one random-weight Qwen3 builder; `config` overrides Qwen3Config fields.
+
+    Without a tokenizer: SMALL_QWEN3 (the strategy tests). With one: hidden 64, sized to it, its pad/eos ids in
+    the config and the generation config, and logits wide enough for clear greedy argmaxes (generation tests).
+    """
+    settings: dict[str, Any] = dict(SMALL_QWEN3)
+    if tokenizer is not None:
+        settings.update(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, head_dim=16, max_position_embeddings=4096,
+            # Wider than the 0.02 default so random logits have clear argmaxes (no near-ties for greedy tests).
+            initializer_range=0.2,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        )
     settings.update(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(Qwen3Config(**settings))
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id], pad_token_id=tokenizer.pad_token_id
-    )
+        model = Qwen3ForCausalLM(Qwen3Config(**settings)).to(dtype)
+    if tokenizer is not None:
+        model.generation_config = GenerationConfig(
+            eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id], pad_token_id=tokenizer.pad_token_id
+        )
     return model.eval()
 
 
 def build_tiny_checkpoint(tmp_path: Path, *, seed: int = 0, chat_template: str | None = "qwen") -> Path:
     """Save a tiny tokenizer + random model into one directory, as a downloaded checkpoint would look."""
     tokenizer = build_tiny_tokenizer(tmp_path, chat_template=chat_template)
-    model = build_tiny_lm(tokenizer, seed=seed)
+    model = tiny_qwen3(tokenizer, seed=seed)
     out_dir = Path(tmp_path) / "checkpoint"
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -232,16 +238,6 @@ def build_tiny_checkpoint(tmp_path: Path, *, seed: int = 0, chat_template: str |
 
 def load_checkpoint(path: Path) -> tuple[Any, PreTrainedTokenizerFast]:
     return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Import this fixture into a test module to run it with one intra-op thread: tiny models gain nothing from
-    threads, and on a shared CPU the hand-offs cost more than the math (the tests ran twice as long)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 Script = Callable[[str], str]
