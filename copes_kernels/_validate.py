@@ -228,3 +228,23 @@ def check_lowrank_linear_args(
         raise ValueError(f"row_member values must index the population of {A.shape[0]}")
     check_finite("sigma", sigma)
     return rank
+
+
+def lowrank_updated(
+    weight: torch.Tensor, *, A: torch.Tensor, B: torch.Tensor, coeffs: Sequence[float] | torch.Tensor, scale: float, rounding: str
+) -> torch.Tensor:
+    """After checking the arguments of a low-rank update: float32 weight + scale * sum_j coeffs[j] A_j B_j^T, as one GEMM over the stacked factors [m, P r] x [P r, n]."""
+    check_storage("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out, in], got {tuple(weight.shape)}")
+    check_rounding(rounding, weight)
+    check_finite("scale", scale)
+    check_lowrank_factors(A, B, weight.shape[0], weight.shape[1])
+    coeffs_t = torch.as_tensor(coeffs, dtype=torch.float32, device=weight.device).reshape(-1)
+    if coeffs_t.numel() != A.shape[0]:
+        raise ValueError(f"coeffs has {coeffs_t.numel()} entries but the population has {A.shape[0]}")
+    if not bool(torch.isfinite(coeffs_t).all()):
+        raise ValueError("coeffs must be finite")
+    weighted_A = (A * coeffs_t[:, None, None]).permute(1, 0, 2).reshape(A.shape[1], -1)  # [m, P r]
+    stacked_B = B.permute(1, 0, 2).reshape(B.shape[1], -1)  # [n, P r]
+    return weight.float() + float(scale) * (weighted_A @ stacked_B.T)

@@ -21,10 +21,8 @@ import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
-from copes_kernels.perturb import to_storage
-from copes_kernels.reference import lowrank_updated
+from copes_kernels._shared import store_stochastic_, to_storage
 from copes_kernels.triton_rng import fill_normal_rows_
-from copes_kernels.update import store_stochastic_
 
 MIN_DOT = 16  # tl.dot's smallest tile side
 # Input columns per step of the projection and output columns per step of the correction: 64 fp32 columns of a
@@ -160,7 +158,7 @@ def lowrank_accumulate_(
 
     `seed` and `tensor_id` only key the stochastic rounding stream (a Triton store kernel).
     """
-    updated = lowrank_updated(weight, A=A, B=B, coeffs=coeffs, scale=scale, rounding=rounding)
+    updated = v.lowrank_updated(weight, A=A, B=B, coeffs=coeffs, scale=scale, rounding=rounding)
     if rounding == "stochastic":
         return store_stochastic_(weight, updated, seed=seed, tensor_id=tensor_id)
     return weight.copy_(updated)

@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
+from copes_kernels._shared import noise_tiles_per_run, to_storage
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
 from copes_kernels.triton_rng import (
     STREAM_ARGS,
-    blocks_spanned,
     int64_args,
     noise_block,
     normal_tile,
@@ -33,23 +33,6 @@ from copes_kernels.triton_rng import (
 
 # Integer views for bit-exact copies, by element size.
 BIT_VIEWS = {2: torch.int16, 4: torch.int32}
-# bfloat16 quiet NaN, the pattern torch stores for any NaN.
-_BF16_NAN: tl.constexpr = tl.constexpr(0x7FC0)
-
-
-@triton.jit
-def to_storage(x, DTYPE: tl.constexpr):
-    """float32 -> storage dtype with round-to-nearest-even, the same bits as torch on every backend.
-
-    bfloat16 is rounded on the bits (add 0x7FFF plus the kept lowest bit, drop 16 bits): GPUs round this way
-    anyway, but Triton's CPU interpreter truncates float32 -> bfloat16.
-    """
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True).to(tl.int64)
-        rounded = tl.where(x != x, _BF16_NAN, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(DTYPE)
 
 
 @triton.jit(do_not_specialize=STREAM_ARGS)
@@ -121,17 +104,6 @@ def selected_chunk_runs(
     chunks = torch.nonzero(chunk_subspace[first : last + 1] == int(subspace)).view(-1) + first
     starts, stops = chunk_runs(chunks, numel=numel, offset=offset, chunk_size=chunk_size)
     return starts, stops, min(chunk_size, numel)
-
-
-def noise_tiles_per_run(longest: int, *, offset: int, chunk_size: int, device: torch.device) -> tuple[int, int]:
-    """(tiles per run, counters per tile) for noise kernels over runs of at most `longest` elements.
-
-    Short runs get a smaller power-of-two tile, so small chunks do not generate noise nobody stores.
-    """
-    aligned = offset % 4 == 0 and chunk_size % 4 == 0  # then every run starts on a Philox block boundary
-    counters = blocks_spanned(longest, aligned=aligned)
-    block = min(noise_block(device), triton.next_power_of_2(max(counters, 1)))
-    return triton.cdiv(counters, block), block
 
 
 def perturb_(

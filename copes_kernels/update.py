@@ -22,42 +22,16 @@ import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
+from copes_kernels._shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
-from copes_kernels.perturb import noise_tiles_per_run, to_storage
-from copes_kernels.rng import ROUNDING_STREAM
 from copes_kernels.triton_rng import (
     STREAM_ARGS,
     int64_args,
-    int64_from_words,
-    noise_block,
     normal_tile,
     run_tile,
     stream_args,
     uniform_tile,
 )
-
-_ROUNDING_STREAM: tl.constexpr = tl.constexpr(ROUNDING_STREAM)
-# Bit pattern of the smallest negative subnormal (0x8001) as an int16: the neighbour of -0.0 away from zero.
-_NEGATIVE_TINY: tl.constexpr = tl.constexpr(-0x7FFF)
-
-
-@triton.jit
-def round_stochastic(values, uniforms, DTYPE: tl.constexpr):
-    """float32 -> DTYPE (16-bit): the nearest value, or its neighbour towards `values` with probability |error| / gap.
-
-    In the int16 view of a 16-bit float, +1 moves away from zero for either sign, which finds the neighbour.
-    """
-    nearest = to_storage(values, DTYPE)
-    nearest_f = nearest.to(tl.float32)
-    error = values - nearest_f
-    bits = nearest.to(tl.int16, bitcast=True).to(tl.int32)
-    step = tl.where((error > 0) == (nearest_f > 0), 1, -1)
-    neighbour_bits = tl.where(nearest_f == 0, tl.where(error > 0, 1, _NEGATIVE_TINY), bits + step)
-    neighbour = neighbour_bits.to(tl.int16).to(DTYPE, bitcast=True)
-    gap = tl.abs(neighbour.to(tl.float32) - nearest_f)
-    take_neighbour = (error != 0) & (uniforms * gap < tl.abs(error))
-    return tl.where(take_neighbour, neighbour, nearest)
-
 
 @triton.jit(do_not_specialize=STREAM_ARGS)
 def _accumulate_kernel(
@@ -84,48 +58,14 @@ def _accumulate_kernel(
         eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + j), tensor_id, BLOCK)
         total += tl.load(coeffs_ptr + j) * eps
     if STOCHASTIC:
-        rounding_stream = tl.full((), _ROUNDING_STREAM, tl.uint32)
+        rounding_stream = tl.full((), ROUNDING_STREAM_WORD, tl.uint32)
         u = uniform_tile(first_block, seed_lo, seed_hi, rounding_stream, tensor_id, BLOCK)
         tl.store(target_ptr + local, round_stochastic(total, u, target_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(target_ptr + local, to_storage(total, target_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=STREAM_ARGS)
-def _store_stochastic_kernel(
-    dst_ptr, values_ptr, n, seed_lo, seed_hi, tensor_id, offset_lo, offset_hi, BLOCK: tl.constexpr
-):
-    """dst[i] = round_stochastic(values[i]) with the uniforms of element offset + i."""
-    pid = tl.program_id(0).to(tl.int64)
-    offset = int64_from_words(offset_lo, offset_hi)
-    first_block = (offset >> 2) + pid * (BLOCK // 4)
-    local = 4 * first_block + tl.arange(0, BLOCK).to(tl.int64) - offset
-    mask = (local >= 0) & (local < n)
-    u = uniform_tile(first_block, seed_lo, seed_hi, tl.full((), _ROUNDING_STREAM, tl.uint32), tensor_id, BLOCK // 4)
-    values = tl.load(values_ptr + local, mask=mask)
-    tl.store(dst_ptr + local, round_stochastic(values, u, dst_ptr.dtype.element_ty), mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------- host side
-
-
-def store_stochastic_(
-    dst: torch.Tensor, values: torch.Tensor, *, seed: int, tensor_id: int, offset: int = 0
-) -> torch.Tensor:
-    """Store float32 `values` into 16-bit `dst` (same numel, contiguous) with unbiased stochastic rounding."""
-    if values.dtype != torch.float32 or values.numel() != dst.numel() or not values.is_contiguous():
-        raise ValueError(
-            f"values must be contiguous float32 with {dst.numel()} elements, got {values.dtype} {tuple(values.shape)}"
-        )
-    n = dst.numel()
-    if n:
-        seed_lo, seed_hi, _, tensor_word = stream_args(seed, 0, tensor_id)
-        block = 4 * noise_block(dst.device)  # elements per program: one noise tile of counters
-        programs = triton.cdiv(n + offset % 4, block)  # tiles start on the Philox block of element `offset`
-        _store_stochastic_kernel[(programs,)](
-            dst, values, n, seed_lo, seed_hi, tensor_word, *int64_args(offset), BLOCK=block
-        )
-    return dst
 
 
 def _member_segments(

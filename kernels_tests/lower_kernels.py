@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from copes_kernels import lowrank, perturb, triton_rng, update
+from copes_kernels import _shared, lowrank, perturb, triton_rng, update
 
 STREAM = {name: "i32" for name in triton_rng.STREAM_ARGS}
 
@@ -62,8 +62,8 @@ def kernel_cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]
         ]
     for dtype in ("bf16", "fp16"):
         cases.append(
-            (f"store_stochastic[{dtype}]", update._store_stochastic_kernel,
-             _signature(update._store_stochastic_kernel, dst_ptr=f"*{dtype}", values_ptr="*fp32", n="i32",
+            (f"store_stochastic[{dtype}]", _shared._store_stochastic_kernel,
+             _signature(_shared._store_stochastic_kernel, dst_ptr=f"*{dtype}", values_ptr="*fp32", n="i32",
                         BLOCK="constexpr"), {"BLOCK": 4 * triton_rng.GPU_NOISE_BLOCK})
         )
     return cases

@@ -9,7 +9,7 @@ import torch
 import triton
 
 import copes_kernels as ck
-from copes_kernels import perturb, reference, triton_rng, update
+from copes_kernels import _shared, perturb, reference, triton_rng, update
 from copes_kernels.rng import MASK32, words_to_normal, words_to_uniform
 from kernels_tests.helpers import BIG_OFFSET, ODD_SIZES, ops
 
@@ -133,7 +133,7 @@ def _do_not_specialize(kernel) -> list:
         triton_rng._normal_rows_kernel,
         perturb._perturb_kernel,
         update._accumulate_kernel,
-        update._store_stochastic_kernel,
+        _shared._store_stochastic_kernel,
     ],
     ids=lambda kernel: kernel.fn.__name__,
 )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import copes_kernels as ck
-from copes_kernels import reference, update
+from copes_kernels import _shared, reference
 from copes_kernels.rng import ROUNDING_STREAM
 from kernels_tests.helpers import BIG_OFFSET, DTYPES, ODD_SIZES, assert_close_in_ulps, bits, ops
 from kernels_tests.test_perturb import random_partition, random_values, selected_mask
@@ -124,7 +124,7 @@ def test_stochastic_store_kernel_matches_reference_bits(device: torch.device, dt
     values[:6] = torch.tensor([0.0, -0.0, 1e-9, -1e-9, 1.0, -2.5])  # zeros, below the smallest subnormal, exact values
     values[6] = torch.finfo(dtype).max * 0.9999  # next to the largest finite value
     kernel = torch.full(values.shape, float("nan"), dtype=dtype, device=device)
-    update.store_stochastic_(kernel, values.to(device), seed=SEED, tensor_id=TENSOR_ID, offset=offset)
+    _shared.store_stochastic_(kernel, values.to(device), seed=SEED, tensor_id=TENSOR_ID, offset=offset)
     uniforms = reference.uniform_stream(
         values.numel(), seed=SEED, stream=ROUNDING_STREAM, tensor_id=TENSOR_ID, offset=offset, device="cpu"
     )
@@ -144,7 +144,7 @@ def test_stochastic_rounding_is_unbiased_where_nearest_is_not(backend_name: str,
             u = reference.uniform_stream(numel, seed=draw, stream=ROUNDING_STREAM, tensor_id=1, offset=0, device="cpu")
             rounded = reference.round_stochastic(values, torch.bfloat16, u)
         else:
-            rounded = update.store_stochastic_(
+            rounded = _shared.store_stochastic_(
                 torch.empty(numel, dtype=torch.bfloat16, device=device), values.to(device), seed=draw, tensor_id=1
             ).cpu()
         total += rounded.double()
