@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import math
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,16 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import DEVICE, POPULATION, RESULTS_DIR, SIGMA, SUBSPACES, device_label, element_masks, seeded_randn
 
 import copes_kernels as ck
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 IMPLEMENTATIONS = ("copes", "naive")
 # The CPU ops take 0.1-600 ms each: five timed rounds after one warm-up, and the fastest one is reported, since a
 # shared machine only ever adds time (GPU timings are do_bench medians).
 CPU_ROUNDS = 5
-SUBSPACES, POPULATION, SIGMA = 4, 40, 1e-3  # the paper's CoPES defaults
 
 
 @dataclass(frozen=True)
@@ -74,18 +71,6 @@ class Row:
     @property
     def gigabytes_per_second(self) -> float:
         return self.bytes_moved / (self.milliseconds * 1e-3) / 1e9
-
-
-def seeded_randn(shape: tuple[int, ...] | int, *, seed: int, member: int, tensor_id: int) -> torch.Tensor:
-    """The naive eps: a generator seeded per (seed, member, tensor) and a full-size float32 draw."""
-    generator = torch.Generator(device=DEVICE).manual_seed(hash((seed, member, tensor_id)) & (2**63 - 1))
-    return torch.randn(shape, generator=generator, device=DEVICE)
-
-
-def element_masks(chunk_subspace: torch.Tensor, numel: int, chunk_size: int) -> list[torch.Tensor]:
-    """Per-subspace element masks, built once per step the way masked-add ES code caches them."""
-    owner = chunk_subspace.long().repeat_interleave(chunk_size)[:numel]
-    return [owner == k for k in range(SUBSPACES)]
 
 
 def build_cases(sizes: Sizes) -> dict[str, Case]:
@@ -181,12 +166,6 @@ def build_cases(sizes: Sizes) -> dict[str, Case]:
 
 OPS = ("normal", "perturb_", "perturb_ subspace", "backup_chunks", "restore_chunks_", "accumulate_",
        "lowrank_factors", "lowrank_linear", "lowrank_accumulate_")
-
-
-def device_label() -> str:
-    if DEVICE.type == "cpu":
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(DEVICE).lower()).strip("-")
 
 
 def report(rows: list[Row], write_line: Callable[[str], None]) -> Path:

@@ -21,19 +21,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_kernels import DEVICE, SIGMA
-from common import (
+from harness import DEVICE, SIGMA, alternating_best_seconds, machine_note, pin_one_thread, report, synchronize
+from models import (
     add_large_model_arguments,
-    alternating_best_seconds,
     build_large_model,
     greedy_generate,
     large_model_shape,
-    machine_note,
     parameter_count,
-    pin_one_thread,
     random_prompts,
-    report,
-    synchronize,
 )
 from transformers import PreTrainedModel
 

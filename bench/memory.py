@@ -26,20 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from bench_kernels import SIGMA
-from common import (
-    PeakMemory,
+from harness import SIGMA, machine_note, pin_one_thread, report
+from memory_probe import PeakMemory, compare_weights, reset_weights, snapshot
+from models import (
     add_large_model_arguments,
     build_large_model,
-    compare_weights,
     large_model_shape,
-    machine_note,
     parameter_count,
-    pin_one_thread,
     random_prompts,
-    report,
-    reset_weights,
-    snapshot,
     weight_bytes,
 )
 from transformers import PreTrainedModel

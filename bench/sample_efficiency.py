@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_kernels import RESULTS_DIR
-from common import add_preset_arguments, machine_note, pin_one_thread, preset_overrides, report, train_config, write_csv
+from harness import RESULTS_DIR, machine_note, pin_one_thread, report, write_csv
+from models import add_preset_arguments, preset_overrides, train_config
 from transformers.utils import logging as hf_logging
 
 from copes.trainer import Trainer

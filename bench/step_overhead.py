@@ -25,19 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from common import (
+from harness import machine_note, pin_one_thread, report
+from models import (
     LargeModelShape,
     add_large_model_arguments,
     add_preset_arguments,
     build_large_model,
     greedy_log_likelihood,
     large_model_shape,
-    machine_note,
     parameter_count,
-    pin_one_thread,
     preset_overrides,
     random_prompts,
-    report,
     train_config,
 )
 

@@ -21,23 +21,18 @@ from functools import partial
 from typing import Any
 
 import torch
-from bench_kernels import SIGMA, SUBSPACES, element_masks, seeded_randn
-from common import (
-    PeakMemory,
-    RestoreCheck,
-    add_large_model_arguments,
+from harness import (
+    SIGMA,
+    SUBSPACES,
     alternating_best_seconds,
-    build_large_model,
-    compare_weights,
-    large_model_shape,
+    element_masks,
     machine_note,
-    parameter_count,
     pin_one_thread,
     report,
-    reset_weights,
-    snapshot,
-    weight_bytes,
+    seeded_randn,
 )
+from memory_probe import PeakMemory, RestoreCheck, compare_weights, reset_weights, snapshot
+from models import add_large_model_arguments, build_large_model, large_model_shape, parameter_count, weight_bytes
 
 from copes.params import ParameterSpace
 

@@ -2,27 +2,28 @@
 
     es = copes.CoPES(model, population=40, num_subspaces=4, sigma=1e-3, lr=5e-4, seed=0)
     stats = es.step(fitness_fn)   # fitness_fn(model) -> float or per-question rewards
+
+    summary = copes.train(copes.TrainConfig(task="gsm8k", model="Qwen/Qwen3.5-4B"))   # a whole copes-run
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
+from copes.config import TrainConfig, build_config
+from copes.errors import UserError
+from copes.strategies import EGGROLL, CoPES, CoPESLowRank, StepPlan, StepStats, Strategy
+from copes.trainer import Trainer, train
 
 __version__ = "0.1.0"
 
-# Strategies load on first use so `import copes` (e.g. for the CLI's --help) stays light.
-_LAZY = {
-    "CoPES": "copes.strategies",
-    "EGGROLL": "copes.strategies",
-    "CoPESLowRank": "copes.strategies",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'copes' has no attribute {name!r}")
-
-
-__all__ = ["CoPES", "CoPESLowRank", "EGGROLL", "__version__"]
+__all__ = [
+    "EGGROLL",
+    "CoPES",
+    "CoPESLowRank",
+    "StepPlan",
+    "StepStats",
+    "Strategy",
+    "TrainConfig",
+    "Trainer",
+    "UserError",
+    "__version__",
+    "build_config",
+    "train",
+]

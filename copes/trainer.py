@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from copes import checkpoint as ckpt
 from copes.components import build_strategy, build_tools, task_from_config
-from copes.config import ConfigError, TrainConfig
+from copes.config import ConfigError, TrainConfig, build_config
 from copes.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, init_distributed,
                                members_for_rank)
 from copes.evaluation import evaluate
@@ -220,3 +220,14 @@ class Trainer:
         plot_curves(metrics.records, self.evals, self.out / "curve.png",
                     f"{self.cfg.algorithm} on {self.cfg.task} ({Path(self.cfg.model).name})")
         return summary
+
+
+def train(config: TrainConfig | dict[str, Any], *, resume: str | None = None, progress: bool = False) -> dict[str, Any]:
+    """A whole run from Python, as `copes-run` does it: `config` is a TrainConfig or a mapping of its fields
+    (validated onto the defaults; the model's preset is not read); `resume` a run dir or checkpoint. Returns the
+    summary (also written to summary.json)."""
+    cfg = config if isinstance(config, TrainConfig) else build_config(config)
+    trainer = Trainer(cfg.validate(), progress=progress)
+    if resume:
+        trainer.resume(resume)
+    return trainer.train()

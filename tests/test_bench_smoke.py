@@ -17,15 +17,17 @@ from tiny_models import build_tiny_checkpoint, load_checkpoint
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH_DIR))
 
-import common  # noqa: E402
 import eggroll_throughput  # noqa: E402
+import harness  # noqa: E402
 import memory  # noqa: E402
+import memory_probe  # noqa: E402
+import models  # noqa: E402
 import sample_efficiency  # noqa: E402
 import step_overhead  # noqa: E402
 import vs_naive  # noqa: E402
 
 # A 4-layer Qwen3.5-architecture model (three linear-attention layers, one full-attention) of 0.24M parameters.
-SMALL_SHAPE = common.LargeModelShape(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4)
+SMALL_SHAPE = models.LargeModelShape(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +36,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_large_model_is_the_qwen3_5_architecture_at_the_requested_size() -> None:
-    model = common.build_large_model(SMALL_SHAPE)
+    model = models.build_large_model(SMALL_SHAPE)
     assert type(model).__name__ == "Qwen3_5ForCausalLM"
     assert model.config.layer_types.count("linear_attention") == 3
-    assert common.parameter_count(model) == sum(p.numel() for p in model.parameters())
+    assert models.parameter_count(model) == sum(p.numel() for p in model.parameters())
     with pytest.raises(ValueError, match="hidden_size"):
-        common.LargeModelShape(hidden_size=0)
+        models.LargeModelShape(hidden_size=0)
 
 
 def test_peak_memory_sees_a_transient_allocation_and_nothing_held_after_it() -> None:
     megabytes = 8
-    with common.PeakMemory() as memory_use:
+    with memory_probe.PeakMemory() as memory_use:
         buffer = torch.ones(megabytes * 2**20 // 4)  # written, so its pages are resident
         held_while_alive = memory_use.held()
         del buffer
@@ -55,12 +57,12 @@ def test_peak_memory_sees_a_transient_allocation_and_nothing_held_after_it() -> 
 
 def test_alternating_best_seconds_times_every_run_and_rejects_zero_repeats() -> None:
     calls = {"a": 0, "b": 0}
-    best = common.alternating_best_seconds({name: lambda name=name: calls.__setitem__(name, calls[name] + 1)
+    best = harness.alternating_best_seconds({name: lambda name=name: calls.__setitem__(name, calls[name] + 1)
                                             for name in calls}, repeats=2)
     assert set(best) == {"a", "b"} and all(0 <= seconds < 1 for seconds in best.values())
     assert calls == {"a": 3, "b": 3}  # one warm-up round + two timed
     with pytest.raises(ValueError, match="repeats"):
-        common.alternating_best_seconds({"a": lambda: None}, repeats=0)
+        harness.alternating_best_seconds({"a": lambda: None}, repeats=0)
 
 
 def test_step_overhead_times_every_phase_and_the_large_workload_really_updates(checkpoint: Path) -> None:
@@ -75,7 +77,7 @@ def test_step_overhead_times_every_phase_and_the_large_workload_really_updates(c
 
 
 def test_vs_naive_engine_restores_exactly_for_both_subspace_counts() -> None:
-    rows = vs_naive.measure(common.build_large_model(SMALL_SHAPE), repeats=1)
+    rows = vs_naive.measure(models.build_large_model(SMALL_SHAPE), repeats=1)
     assert {(row["K"], row["implementation"]) for row in rows} == {(1, "engine"), (1, "naive"), (4, "engine"),
                                                                   (4, "naive")}
     for row in rows:
@@ -101,7 +103,7 @@ def test_eggroll_throughput_leaves_the_weights_untouched(checkpoint: Path) -> No
 
 
 def test_memory_backs_up_one_subspace_and_the_exact_modes_restore_exactly() -> None:
-    model = common.build_large_model(SMALL_SHAPE)
+    model = models.build_large_model(SMALL_SHAPE)
     rows = {row["mode"]: row for row in memory.measure(model, subspaces=2, chunk_size=4096, batch=2, prompt_tokens=4)}
     assert list(rows) == list(memory.MODES)
     device = rows["device"]
@@ -158,11 +160,11 @@ def test_each_script_runs_from_its_command_line_and_writes_its_csv(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
     module = sys.modules[script]
-    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)  # never overwrite the committed results
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)  # never overwrite the committed results
     monkeypatch.setattr(module, "RESULTS_DIR", tmp_path, raising=False)
     tiny = ["--tiny-model", str(checkpoint)] if "--tiny-population" in flags or script == "sample_efficiency" else []
     module.main([*flags, *tiny])
-    label = common.device_label()
+    label = harness.device_label()
     for name in outputs:
         assert (tmp_path / f"{name}_{label}.csv").stat().st_size > 0
     assert f"wrote {tmp_path}" in capsys.readouterr().out

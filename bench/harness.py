@@ -1,0 +1,111 @@
+"""What every benchmark script shares: the device, the results folder and its CSV/table writer, the one-thread
+setting, same-run alternating timing, and the naive ES baseline (seeded full-size noise, masked adds) that the
+engine is compared against. Imports nothing from the scripts.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SUBSPACES, POPULATION, SIGMA = 4, 40, 1e-3  # the paper's CoPES defaults
+
+
+def pin_one_thread() -> None:
+    """One torch thread: on a shared 2-core machine a second thread mostly waits for the other's core, and the
+    hand-offs stall small ops (every benchmark here reports ratios measured under this same setting)."""
+    torch.set_num_threads(1)
+
+
+def device_label() -> str:
+    if DEVICE.type == "cpu":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(DEVICE).lower()).strip("-")
+
+
+def seeded_randn(shape: tuple[int, ...] | int, *, seed: int, member: int, tensor_id: int) -> torch.Tensor:
+    """The naive eps: a generator seeded per (seed, member, tensor) and a full-size float32 draw."""
+    generator = torch.Generator(device=DEVICE).manual_seed(hash((seed, member, tensor_id)) & (2**63 - 1))
+    return torch.randn(shape, generator=generator, device=DEVICE)
+
+
+def element_masks(chunk_subspace: torch.Tensor, numel: int, chunk_size: int) -> list[torch.Tensor]:
+    """Per-subspace element masks, built once per step the way masked-add ES code caches them."""
+    owner = chunk_subspace.long().repeat_interleave(chunk_size)[:numel]
+    return [owner == k for k in range(SUBSPACES)]
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
+def alternating_best_seconds(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each run's fastest time over `repeats` rounds, after one untimed warm-up round.
+
+    Every round runs all contenders in turn, so a load spike on a shared machine hits them alike, and the
+    fastest round is kept because a shared machine only ever adds time.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    best = dict.fromkeys(runs, float("inf"))
+    for round_index in range(repeats + 1):
+        for name, run in runs.items():
+            synchronize()
+            start = time.perf_counter()
+            run()
+            synchronize()
+            if round_index:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def report(name: str, rows: Sequence[dict[str, object]], title: str) -> Path:
+    """Print `rows` as an aligned table under `title` and write them to bench/results/<name>_<device>.csv."""
+    if not rows:
+        raise ValueError("rows is empty: nothing to report")
+    columns = list(rows[0])
+    cells = [[_cell(row[column]) for column in columns] for row in rows]
+    widths = [max(len(column), *(len(line[i]) for line in cells)) for i, column in enumerate(columns)]
+    print(f"\n{title}")
+    print("  ".join(column.rjust(width) for column, width in zip(columns, widths)))
+    for line in cells:
+        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
+    path = write_csv(name, columns, cells)
+    print(f"wrote {path}")
+    return path
+
+
+def write_csv(name: str, columns: Sequence[str], lines: Sequence[Sequence[object]]) -> Path:
+    """bench/results/<name>_<device>.csv with a header row."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}_{device_label()}.csv"
+    with path.open("w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(columns)
+        writer.writerows(lines)
+    return path
+
+
+def machine_note() -> str:
+    """One line naming what the numbers were measured on."""
+    if DEVICE.type == "cuda":
+        return f"{torch.cuda.get_device_name(DEVICE)}, torch {torch.__version__}"
+    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
+    return f"CPU, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), load average {load}"
