@@ -205,7 +205,12 @@ class ESBase(ABC):
 
     @abstractmethod
     def _config(self) -> dict[str, Any]:
-        """The settings that change the trajectory: a resumed run must match them exactly."""
+        """The settings that change the trajectory: a resumed run must match them exactly (`_shared_config()`
+        plus the strategy's own)."""
+
+    def _shared_config(self) -> dict[str, Any]:
+        return {"population": self.population, "num_subspaces": self.num_subspaces, "sigma": self.sigma,
+                "lr": self.lr, "seed": self.seed, "fitness": self.fitness, "std_floor": self.std_floor}
 
     def apply_update(self, rewards: torch.Tensor | Sequence[Any]) -> StepStats:
         """Shape the rewards of all N members ([N] or [N, Q]) and apply this step's update; ends the step."""

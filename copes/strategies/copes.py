@@ -236,19 +236,13 @@ class CoPES(ESBase):
 
     def _config(self) -> dict[str, Any]:
         return {
-            "population": self.population,
-            "num_subspaces": self.num_subspaces,
-            "sigma": self.sigma,
-            "lr": self.lr,
-            "seed": self.seed,
+            **self._shared_config(),
             "chunk_size": self.space.chunk_size,
-            "fitness": self.fitness,
             "scale_sigma": self.scale_sigma,
             "antithetic": self.antithetic,
             "optimizer": self.optimizer,
             "adam_betas": list(self.adam_betas),
             "adam_eps": self.adam_eps,
-            "std_floor": self.std_floor,
             "parameters": {p.name: p.precision for p in self.space.parameters},
         }
 

@@ -213,14 +213,8 @@ class _LowRankES(ESBase):
 
     def _config(self) -> dict[str, Any]:
         return {
-            "population": self.population,
-            "num_subspaces": self.num_subspaces,
-            "sigma": self.sigma,
-            "lr": self.lr,
+            **self._shared_config(),
             "rank": self.rank,
-            "seed": self.seed,
-            "fitness": self.fitness,
-            "std_floor": self.std_floor,
             "matrices": {m.param.name: m.param.precision for m in self.matrices},
         }
 
@@ -245,13 +239,12 @@ class EGGROLL(_LowRankES):
         lr: float = 5e-4,
         rank: int = 1,
         seed: int = 0,
-        include: str | Sequence[str] | None = None,
-        exclude: str | Sequence[str] | None = None,
+        *,
         fitness: str = "per_question",
         full_rank_others: bool = False,
-        std_floor: float = 1e-8,
-        update_precision: str = "auto",
+        **options: Any,
     ) -> None:
+        """`options`: include, exclude, std_floor, update_precision, as for CoPESLowRank."""
         if full_rank_others:
             raise ValueError(
                 "full_rank_others=True needs a separate evaluation per member (a full-rank perturbation of norms, "
@@ -259,8 +252,8 @@ class EGGROLL(_LowRankES):
                 "noise on all parameters, or keep them frozen"
             )
         super().__init__(
-            model, population=population, num_subspaces=1, sigma=sigma, lr=lr, rank=rank, seed=seed, include=include,
-            exclude=exclude, fitness=fitness, std_floor=std_floor, update_precision=update_precision,
+            model, population=population, num_subspaces=1, sigma=sigma, lr=lr, rank=rank, seed=seed, fitness=fitness,
+            **options,
         )
 
 

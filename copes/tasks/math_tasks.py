@@ -36,11 +36,11 @@ class MathTask(DatasetTask):
         name: str,
         splits: dict[str, Callable[[], list[Example]]],
         *,
-        format_reward: bool = True,
-        tool_bonus: bool = True,
         timeout_s: float | None = None,
+        **reward_terms: bool,
     ) -> None:
-        super().__init__(name, splits, format_reward=format_reward, tool_bonus=tool_bonus)
+        """`reward_terms`: DatasetTask's format_reward and tool_bonus switches."""
+        super().__init__(name, splits, **reward_terms)
         self.timeout_s = timeout_s  # per math-verify check; None = the pool's default
 
     def prompt(self, example: Example) -> str:
@@ -85,48 +85,35 @@ def _boxed_gold(solution: str, where: str) -> str:
     return boxed
 
 
-def _meta(row: dict[str, Any], *used: str) -> dict[str, Any]:
-    """The row's remaining fields (level, subject, solution, ...) for analysis; the question is not repeated."""
-    return {key: value for key, value in row.items() if key not in used}
+def _examples(
+    rows: list[dict[str, Any]], question: str, id_of: Callable[[int, dict[str, Any]], str],
+    gold_of: Callable[[int, dict[str, Any]], str],
+) -> list[Example]:
+    """One Example per row; the row's remaining fields (level, subject, solution, ...) stay in `meta` for analysis
+    (the question is not repeated)."""
+    return [
+        Example(id=id_of(index, row), question=row[question], golds=(gold_of(index, row),),
+                meta={key: value for key, value in row.items() if key != question})
+        for index, row in enumerate(rows)
+    ]
 
 
 def _gsm8k_split(data_dir: Path | None, split: str) -> list[Example]:
     rows = load_split_rows(
         data_dir, [f"math/gsm8k_{split}.jsonl"], HubSplit("openai/gsm8k", split, "main"), ("question", "answer")
     )
-    return [
-        Example(
-            id=f"gsm8k-{split}-{index}",
-            question=row["question"],
-            golds=(_gsm8k_gold(row["answer"], f"gsm8k {split} row {index}"),),
-            meta=_meta(row, "question"),
-        )
-        for index, row in enumerate(rows)
-    ]
+    return _examples(rows, "question", lambda index, _: f"gsm8k-{split}-{index}",
+                     lambda index, row: _gsm8k_gold(row["answer"], f"gsm8k {split} row {index}"))
 
 
 def _math_examples(rows: list[dict[str, Any]], split: str) -> list[Example]:
-    return [
-        Example(
-            id=f"math-{split}-{row.get('idx', index)}",
-            question=row["problem"],
-            golds=(_boxed_gold(row["solution"], f"math {split} row {index}"),),
-            meta=_meta(row, "problem"),
-        )
-        for index, row in enumerate(rows)
-    ]
+    return _examples(rows, "problem", lambda index, row: f"math-{split}-{row.get('idx', index)}",
+                     lambda index, row: _boxed_gold(row["solution"], f"math {split} row {index}"))
 
 
 def _answer_field_examples(rows: list[dict[str, Any]], name: str, id_field: str | None) -> list[Example]:
-    return [
-        Example(
-            id=f"{name}-{row[id_field] if id_field else index}",
-            question=row["problem"],
-            golds=(str(row["answer"]).strip(),),
-            meta=_meta(row, "problem"),
-        )
-        for index, row in enumerate(rows)
-    ]
+    return _examples(rows, "problem", lambda index, row: f"{name}-{row[id_field] if id_field else index}",
+                     lambda _, row: str(row["answer"]).strip())
 
 
 @register("gsm8k")

@@ -41,16 +41,16 @@ class QATask(DatasetTask):
         name: str,
         splits: dict[str, Callable[[], list[Example]]],
         *,
-        format_reward: bool = True,
-        tool_bonus: bool = True,
         qa_metric: str = "f1",
         qa_normalization: str = "official",
+        **reward_terms: bool,
     ) -> None:
+        """`reward_terms`: DatasetTask's format_reward and tool_bonus switches."""
         if qa_metric not in QA_METRICS:
             raise ValueError(f"qa_metric must be one of {QA_METRICS}, got {qa_metric!r}")
         if qa_normalization not in NORMALIZATIONS:
             raise ValueError(f"qa_normalization must be one of {NORMALIZATIONS}, got {qa_normalization!r}")
-        super().__init__(name, splits, format_reward=format_reward, tool_bonus=tool_bonus)
+        super().__init__(name, splits, **reward_terms)
         self.qa_metric = qa_metric
         self.qa_normalization = qa_normalization
 
