@@ -130,3 +130,39 @@ def test_resume_from_a_different_run_is_refused(reference_run, tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     result = copes_run("--sigma", "0", "--output-dir", str(tmp_path), "--debug")
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_every_config_field_has_a_generated_flag_with_its_help_and_default():
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from copes.cli import run_command
+    from copes.config import TrainConfig
+
+    help_text = " ".join(CliRunner().invoke(run_command, ["--help"], terminal_width=400).output.split())
+    for option in dataclasses.fields(TrainConfig):
+        assert "--" + option.name.replace("_", "-") in help_text
+    assert "N: perturbed members per step (paper: 40) [default: 40]" in help_text
+    assert "--restore [device|host|subtract]" in help_text
+
+
+def test_ignored_options_are_named_and_task_options_reach_the_task(tmp_path):
+    result = copes_run("--algorithm", "eggroll", "--restore", "host", "--steps", "1", "--eval-size", "0",
+                       "--checkpoint-every", "0", "--task-options", "digit_shaping=0.5", "--output-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "warning: --restore does not apply to --algorithm eggroll; ignored" in result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["task_options"] == {"digit_shaping": 0.5}
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert {"perturb", "rollout", "update"} <= record["time"].keys() and "evaluate" not in record["time"]
+
+
+def test_train_runs_a_whole_copes_run_from_python(tmp_path):
+    import copes
+
+    summary = copes.train({"population": 4, "subspaces": 2, "prompt_batch": 4, "steps": 1, "eval_size": 8,
+                           "max_new_tokens": 6, "checkpoint_every": 0, "cpu_threads": 1, "output_dir": str(tmp_path)})
+    assert summary["steps"] == 1 and summary["eval_after"]["accuracy"] is not None
+    assert {"held_out", "rollout", "update"} <= summary["phase_seconds"].keys()
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1

@@ -65,3 +65,29 @@ def test_the_tiny_config_spells_out_the_embedded_models_preset():
     preset = read_yaml(read_preset("tiny"))
     spelled_out = read_yaml(CONFIGS / "tiny-arithmetic-copes.yaml")
     assert {k: v for k, v in spelled_out.items() if k not in ("model", "output_dir")} == preset
+
+
+def test_task_options_and_tool_budgets_are_reachable_from_yaml(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("task: hotpotqa\ntask_options: {qa_metric: em}\ntool_budgets: {search: '3', python: 0}\n")
+    cfg = build_config(read_yaml(path))
+    assert cfg.task_options == {"qa_metric": "em"} and cfg.tool_budgets == {"search": 3, "python": 0}
+    with pytest.raises(ConfigError, match="option tool_budgets.search must be int"):
+        build_config({"tool_budgets": {"search": "many"}})
+
+
+@pytest.mark.parametrize("layer, message", [
+    ({"restore": "disk"}, "unknown restore 'disk'; choose one of: device, host, subtract"),
+    ({"fitness": "rank"}, "unknown fitness 'rank'; choose one of: joint, per_subspace"),
+    ({"tool_format": "xml"}, "unknown tool_format 'xml'"),
+])
+def test_choices_come_from_the_field(layer, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(layer)
+
+
+def test_options_the_algorithm_does_not_use_are_named():
+    asked = {"subspaces", "rank", "restore", "chunk_size", "sigma"}
+    assert build_config({"algorithm": "eggroll"}).ignored_options(asked) == ["subspaces", "restore", "chunk_size"]
+    assert build_config({"algorithm": "copes"}).ignored_options(asked) == ["rank"]
+    assert build_config({"algorithm": "copes-lowrank"}).ignored_options(asked) == ["restore", "chunk_size"]

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import Qwen3ForCausalLM
 
 import copes
+from copes.strategies import EGGROLL, PER_MEMBER, WHOLE_POPULATION
 from copes.strategies.copes import CoPES, StepStats, step_seed
 from es_helpers import DTYPES, dense_member_noise, flat_weights, toy_mlp
 from tiny_models import tiny_qwen3
@@ -375,3 +376,9 @@ def test_too_few_chunks_shrink_the_chunk_size_with_a_warning():
 
 def test_package_exports_the_strategy():
     assert copes.CoPES is CoPES
+
+
+def test_each_strategy_names_the_evaluation_shape_the_trainer_dispatches_on():
+    assert CoPES(toy_mlp(), population=4, num_subspaces=2).evaluation == PER_MEMBER
+    assert EGGROLL(toy_mlp(), population=4).evaluation == WHOLE_POPULATION
+    assert isinstance(copes.CoPES, type) and copes.Trainer.__name__ == "Trainer" and callable(copes.train)

@@ -32,6 +32,13 @@ CRC32_TWINS = ("w29685295", "w32060020")
 # ---------------------------------------------------------------- selection and ids
 
 
+
+def test_exact_names_select_those_parameters_in_model_order():
+    model = toy_mlp()
+    assert ParameterSpace(model, names=["2.weight", "0.bias"]).names == ["0.bias", "2.weight"]
+    with pytest.raises(ValueError, match="the model has no parameter named 'missing'"):
+        ParameterSpace(model, names=["0.bias", "missing"])
+
 def test_include_exclude_use_fnmatch_on_parameter_names():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.LayerNorm(4))
     assert ParameterSpace(model).names == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]

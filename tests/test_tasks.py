@@ -290,3 +290,22 @@ def test_qa_tool_bonus_and_bad_options() -> None:
         get_task("hotpotqa", qa_metric="bleu")
     with pytest.raises(ValueError, match="qa_normalization"):
         get_task("hotpotqa", qa_normalization="squad")
+
+
+@needs_data
+def test_qa_tasks_own_their_corpus_paragraphs_and_other_tasks_have_none() -> None:
+    task = get_task("hotpotqa", data_dir=DATA_DIR)
+    paragraphs = task.corpus_paragraphs()
+    expected = [(title, "".join(sentences).strip()) for split in task.splits
+                for example in task.examples(split) for title, sentences in example.meta["paragraphs"]]
+    assert paragraphs == expected and len(paragraphs) >= 10 * len(task.examples("validation"))
+    assert get_task("arithmetic").corpus_paragraphs() == []
+
+
+def test_batch_scoring_is_part_of_every_task_and_checks_alignment() -> None:
+    task = get_task("arithmetic")
+    examples = task.examples("validation", limit=2)
+    scores = task.score_batch([examples[0].golds[0], "nonsense"], examples)
+    assert [score.correct for score in scores] == [True, False]
+    with pytest.raises(ValueError, match="differ in length: 1, 2, 1"):
+        task.score_batch(["1"], examples, used_tools=[False])
