@@ -31,8 +31,9 @@ from copes.strategies.base import WHOLE_POPULATION
 from copes.tasks import Example
 
 # Options a checkpoint must share with the run that resumes it, or the continuation would not be that run.
-RESUME_KEYS = ("model", "task", "task_options", "algorithm", "population", "subspaces", "sigma", "lr", "rank", "prompt_batch",
-               "fitness", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens")
+RESUME_KEYS = ("model", "task", "task_options", "algorithm", "population", "subspaces", "sigma", "lr", "rank",
+               "prompt_batch", "fitness", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens",
+               "tool_budgets", "tool_format")
 
 
 def batch_indices(step: int, batch: int, dataset_size: int, seed: int) -> list[int]:

@@ -101,9 +101,9 @@ class _LowRankES(ESBase):
     # ---------------------------------------------------------------- phases
 
     @property
-    def factor_scale(self) -> float:
-        """1 / sqrt(r): the normalisation of A_j B_j^T in the perturbation and in the update."""
-        return 1.0 / math.sqrt(self.rank)
+    def factor_norm(self) -> float:
+        """sqrt(r): A_j B_j^T is divided by it in the perturbation and in the update."""
+        return math.sqrt(self.rank)
 
     def plan(self) -> StepPlan:
         """This step's seed, matrix groups (`partition[i]` is a 1-element int16 tensor: matrix i's group) and
@@ -166,7 +166,8 @@ class _LowRankES(ESBase):
             raise ValueError(f"member_of_row values must lie in [0, {self.population}), got {rows.tolist()}")
         self._active_rows = True
         try:
-            with route_rows(self.matrices, self._noise, rows.to(torch.int64), sigma=self.sigma_k, rank=self.rank):
+            with route_rows(self.matrices, self._noise, rows.to(torch.int64), sigma=self.sigma_k,
+                            factor_norm=self.factor_norm):
                 yield
         finally:
             self._active_rows = False
@@ -197,7 +198,7 @@ class _LowRankES(ESBase):
         for matrix, noise, part in zip(self.matrices, self._step_noise(), plan.partition):
             used = slice(0, noise.num_members)
             factors[self._space_index[id(matrix.param)]] = (noise.A[used], noise.B[used], r_hat[plan.members_of(int(part[0]))])
-        scale = self.lr * self.factor_scale / self.members_per_subspace
+        scale = self.lr / (self.members_per_subspace * self.factor_norm)
         return self.space.apply_lowrank_update(factors, seed=plan.seed, scale=scale)
 
     def _end_step(self) -> None:

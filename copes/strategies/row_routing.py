@@ -9,7 +9,6 @@ lookup. Leaving the block puts every module back. Nothing here writes a weight.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -76,10 +75,12 @@ def find_matrices(model: nn.Module, targets: list[TrainableParameter]) -> list[L
 
 @contextlib.contextmanager
 def route_rows(
-    matrices: list[LowRankMatrix], noise: list[MatrixNoise], member_of_row: torch.Tensor, *, sigma: float, rank: int
+    matrices: list[LowRankMatrix], noise: list[MatrixNoise], member_of_row: torch.Tensor, *, sigma: float,
+    factor_norm: float,
 ) -> Iterator[None]:
     """Inside the block, batch row b of every forward uses member `member_of_row[b]`'s perturbation (already
-    validated by the caller, int64); `sigma` is sigma_k, the 1/sqrt(rank) of the factors is applied here."""
+    validated by the caller, int64). `sigma` is sigma_k; A_j B_j^T is divided by `factor_norm` (sqrt(r)) in the
+    embedding correction, as `ck.lowrank_linear` does internally for the linears."""
     undo: list[Callable[[], None]] = []
     try:
         for matrix, matrix_noise in zip(matrices, noise):
@@ -87,8 +88,7 @@ def route_rows(
             for name, linear in matrix.linears:
                 undo.append(_route_linear(name, linear, matrix_noise, slots, sigma))
             for name, embedding in matrix.embeddings:
-                scale = sigma / math.sqrt(rank)
-                undo.append(_perturb_embedding(name, embedding, matrix_noise, slots, scale).remove)
+                undo.append(_perturb_embedding(name, embedding, matrix_noise, slots, sigma / factor_norm).remove)
         yield
     finally:
         for restore in reversed(undo):
