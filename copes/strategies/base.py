@@ -35,6 +35,8 @@ Evaluation = Literal["member", "population"]
 # Time inside one step: noise applied (or factors generated), the fitness function's rollouts, the undo, the update.
 STEP_PHASES = ("perturb", "rollout", "restore", "update")
 
+FitnessFn = Callable[[torch.nn.Module], Any]
+
 
 def step_seed(seed: int, step: int) -> int:
     """The uint64 noise seed of step `step` of a run seeded with `seed`: the first 8 bytes (little-endian) of
@@ -158,6 +160,19 @@ class Strategy(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class PerMemberStrategy(Strategy, Protocol):
+    """evaluation == PER_MEMBER: `fitness_fn(model)` runs once per member with its perturbation in the weights."""
+
+    def evaluate_member(self, member: int, fitness_fn: FitnessFn) -> torch.Tensor: ...
+
+
+class PopulationStrategy(Strategy, Protocol):
+    """evaluation == WHOLE_POPULATION: `fitness_fn(model, row_members)` runs once for `members` (all by default),
+    every batch row routed to its member inside `with row_members(member_of_row):`."""
+
+    def evaluate(self, fitness_fn: Callable[..., Any], members: Sequence[int] | None = None) -> torch.Tensor: ...
+
+
 class ESBase(ABC):
     """The step bookkeeping both strategy families share; a subclass builds `self.space`, implements `plan()`,
     `_update(plan, r_hat) -> applied norm` and `_config()`."""
@@ -249,5 +264,3 @@ class ESBase(ABC):
         self._step = int(state["step"])
         self._end_step()
 
-
-FitnessFn = Callable[[torch.nn.Module], Any]
