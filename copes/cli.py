@@ -17,7 +17,6 @@ from typing import Any
 import click
 import yaml
 
-from copes.choices import DTYPES
 from copes.config import ConfigError, TrainConfig, build_config, read_yaml
 from copes.errors import UserError
 
@@ -58,12 +57,17 @@ def _parse_mapping(option: str, items: tuple[str, ...]) -> dict[str, Any] | None
     return mapping
 
 
-def config_options(*names: str, defaults: dict[str, Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def config_options(
+    *names: str, defaults: dict[str, Any] | None = None, field_defaults: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Click options generated from TrainConfig's fields (all, or `names`): flag, type, choices and help come from
     the field. Unset options reach the command as None, so the preset and --config layers below them still count;
-    the help shows the dataclass default (or the command's own from `defaults`, which are real click defaults)."""
-    defaults = defaults or {}
+    the help shows the dataclass default. `defaults` (the command's own) and `field_defaults=True` (the fields'
+    defaults, for a command without config layers) become real click defaults."""
     chosen = [f for f in dataclasses.fields(TrainConfig) if not names or f.name in names]
+    if field_defaults:
+        defaults = {f.name: f.default for f in chosen if f.default is not dataclasses.MISSING} | (defaults or {})
+    defaults = defaults or {}
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         for f in reversed(chosen):
@@ -139,19 +143,14 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 
 
 @click.command(context_settings=COMMAND_SETTINGS)
-@click.option("--model", default="tiny", help="model folder or hub id")
+@config_options("model", "tools", "max_new_tokens", "device", "dtype", "data_dir", field_defaults=True)
 @click.option("--task", "tasks", multiple=True, default=["arithmetic"], help="task to evaluate (repeatable)")
 @click.option("--split", default="test", help="split to evaluate")
 @click.option("--limit", type=int, help="first N questions only")
 @click.option("--samples", type=int, default=1, help="samples per question (paper: 32 for GSM8K/MATH, 256 for AIME)")
 @click.option("--temperature", type=float, default=0.3, help="sampling temperature when samples > 1")
 @click.option("--k", "ks", type=int, multiple=True, default=[1], help="pass@k to report (repeatable)")
-@click.option("--tools/--no-tools", default=True, help="let the agent use tools")
-@click.option("--max-new-tokens", type=int, default=1024, help="tokens generated per turn")
 @click.option("--batch-size", type=int, default=64, help="rows per generate call")
-@click.option("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-@click.option("--dtype", default="auto", type=click.Choice(DTYPES))
-@click.option("--data-dir", help="local dataset folder")
 @click.option("--output", type=click.Path(dir_okay=False), help="write the results as JSON here")
 @click.option("--seed", type=int, default=0, help="sampling seed")
 @user_errors
