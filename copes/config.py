@@ -59,6 +59,7 @@ class TrainConfig:
     tools: bool = _opt(True, "let the agent call the Python sandbox and search (where the task supports them)")
     tool_budgets: dict[str, int] = _opt({}, "calls allowed per tool per question, e.g. python=5 search=3 (default: the paper's for the task kind)")
     tool_format: str = _opt("auto", "tool-call format: qwen (<tool_call> JSON) | tags (<python>/<search>) | auto (from the chat template)", choices=TOOL_FORMATS)
+    template_kwargs: dict[str, Any] = _opt({}, "extra chat-template variables, e.g. enable_thinking=false")
     search_corpus: str | None = _opt(None, "BM25 corpus jsonl for the search tool (default: built from the task's contexts)")
     retriever_url: str | None = _opt(None, "Search-R1 style retrieval server URL instead of local BM25")
     fitness: str | None = _opt(None, "reward standardisation (default: joint for copes/es/copes-lowrank, "

@@ -33,7 +33,7 @@ from copes.tasks import Example
 # Options a checkpoint must share with the run that resumes it, or the continuation would not be that run.
 RESUME_KEYS = ("model", "task", "task_options", "algorithm", "population", "subspaces", "sigma", "lr", "rank",
                "prompt_batch", "fitness", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens",
-               "tool_budgets", "tool_format")
+               "tool_budgets", "tool_format", "template_kwargs")
 
 
 def batch_indices(step: int, batch: int, dataset_size: int, seed: int) -> list[int]:
@@ -78,7 +78,8 @@ class Trainer:
             torch.set_num_threads(cfg.cpu_threads)
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out)
         limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens,
-                      greedy=True, batch_size=cfg.rollout_batch, tool_format=cfg.tool_format)
+                      greedy=True, batch_size=cfg.rollout_batch, tool_format=cfg.tool_format,
+                      template_kwargs=cfg.template_kwargs)
         self.agent = AgentConfig.for_task(self.task, **limits, **({"budgets": cfg.tool_budgets} if cfg.tool_budgets else {}))
         self.strategy = build_strategy(cfg, self.model)
         self.start_step, self.evals, self.eval_before = 0, [], None

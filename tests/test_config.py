@@ -69,9 +69,11 @@ def test_the_tiny_config_spells_out_the_embedded_models_preset():
 
 def test_task_options_and_tool_budgets_are_reachable_from_yaml(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("task: hotpotqa\ntask_options: {qa_metric: em}\ntool_budgets: {search: '3', python: 0}\n")
+    path.write_text("task: hotpotqa\ntask_options: {qa_metric: em}\ntool_budgets: {search: '3', python: 0}\n"
+                    "template_kwargs: {enable_thinking: false}\n")
     cfg = build_config(read_yaml(path))
     assert cfg.task_options == {"qa_metric": "em"} and cfg.tool_budgets == {"search": 3, "python": 0}
+    assert cfg.template_kwargs == {"enable_thinking": False}
     with pytest.raises(ConfigError, match="option tool_budgets.search must be int"):
         build_config({"tool_budgets": {"search": "many"}})
 
