@@ -6,24 +6,45 @@
     summary = copes.train(copes.TrainConfig(task="gsm8k", model="Qwen/Qwen3.5-4B"))   # a whole copes-run
 """
 
-from copes.config import TrainConfig, build_config
-from copes.errors import UserError
-from copes.strategies import EGGROLL, CoPES, CoPESLowRank, StepPlan, StepStats, Strategy
-from copes.trainer import Trainer, train
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "EGGROLL",
-    "CoPES",
-    "CoPESLowRank",
-    "StepPlan",
-    "StepStats",
-    "Strategy",
-    "TrainConfig",
-    "Trainer",
-    "UserError",
-    "__version__",
-    "build_config",
-    "train",
-]
+# The public names and the module each lives in. Importing them eagerly would load torch and transformers for
+# every `copes.*` import (the CLI's --help took 4.6 s of CPU instead of 0.05 s), so they load on first use; the
+# TYPE_CHECKING imports below show the very same names to IDEs and type checkers.
+_EXPORTS = {
+    "CoPES": "copes.strategies",
+    "CoPESLowRank": "copes.strategies",
+    "EGGROLL": "copes.strategies",
+    "StepPlan": "copes.strategies",
+    "StepStats": "copes.strategies",
+    "Strategy": "copes.strategies",
+    "TrainConfig": "copes.config",
+    "Trainer": "copes.trainer",
+    "UserError": "copes.errors",
+    "build_config": "copes.config",
+    "train": "copes.trainer",
+}
+
+if TYPE_CHECKING:
+    from copes.config import TrainConfig, build_config
+    from copes.errors import UserError
+    from copes.strategies import EGGROLL, CoPES, CoPESLowRank, StepPlan, StepStats, Strategy
+    from copes.trainer import Trainer, train
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'copes' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+__all__ = [*_EXPORTS, "__version__"]
