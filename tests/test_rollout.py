@@ -316,3 +316,21 @@ def test_parse_tag_calls_in_text_order(tools):
     assert parse_tool_calls("no calls here <python>print(1)", "tags", tools) == []
     with pytest.raises(ValueError, match="fmt must be"):
         parse_tool_calls("x", "xml", tools)
+
+
+def test_stop_strings_work_with_a_tokenizer_stop_string_criteria_cannot_preprocess():
+    """The embedded tiny model's character vocabulary breaks transformers' StopStringCriteria ("substring not
+    found"); stop strings still stop each row and cut its text there, as they do with a byte-level vocabulary."""
+    from copes.modeling import load_model
+
+    tiny, tiny_tokenizer, _ = load_model("tiny", device="cpu", dtype="float32")
+    prompts = ["12+7=", "305-49=", "8+8=", "77-9="]
+    full = generate_batch(tiny, tiny_tokenizer, prompts, max_new_tokens=6)
+    stop = max({g.text[:1] for g in full if g.text}, key=lambda s: sum(g.text.startswith(s) for g in full))
+    stopped = generate_batch(tiny, tiny_tokenizer, prompts, max_new_tokens=6, stop_strings=[stop])
+    for whole, cut in zip(full, stopped):
+        if stop in whole.text:
+            assert cut.finished_by == "stop" and cut.text == whole.text[: whole.text.find(stop) + len(stop)]
+        else:
+            assert cut == whole
+    assert any(g.finished_by == "stop" for g in stopped)

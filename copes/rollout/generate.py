@@ -17,7 +17,8 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 # StopStringCriteria preprocesses the whole vocabulary on construction (about a second for a 150k vocab, even on
 # HF's cache hits); it keeps no per-call state, so one instance per tokenizer and stop-string set is reused.
-_STOP_CRITERIA: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[str, ...]], StopStringCriteria]] = (
+# None marks a tokenizer it cannot preprocess, which gets `_DecodedStopStrings` instead.
+_STOP_CRITERIA: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[str, ...]], StopStringCriteria | None]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -46,12 +47,29 @@ class _RowTokenLimit(StoppingCriteria):
         return (input_ids.shape[1] - self.prompt_width) >= self.limits
 
 
-def _stop_criterion(tokenizer: Any, stop_strings: Sequence[str]) -> StopStringCriteria:
+class _DecodedStopStrings(StoppingCriteria):
+    """Stop strings for any tokenizer: decode each row's new tokens and look for the strings. StopStringCriteria
+    is faster but cannot preprocess some vocabularies (a character-level one without the byte-level prefix it
+    probes for raises "substring not found"); this costs one decode of the new tokens per row and step."""
+
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str], prompt_width: int) -> None:
+        self.tokenizer, self.stop_strings, self.prompt_width = tokenizer, list(stop_strings), prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_width :], skip_special_tokens=True)
+        stopped = [any(stop in text for stop in self.stop_strings) for text in texts]
+        return torch.tensor(stopped, dtype=torch.bool, device=input_ids.device)
+
+
+def _stop_criterion(tokenizer: Any, stop_strings: Sequence[str], prompt_width: int) -> StoppingCriteria:
     by_strings = _STOP_CRITERIA.setdefault(tokenizer, {})
     key = (len(tokenizer), tuple(stop_strings))  # the vocabulary size changes when tokens are added
     if key not in by_strings:
-        by_strings[key] = StopStringCriteria(tokenizer, list(stop_strings))
-    return by_strings[key]
+        try:
+            by_strings[key] = StopStringCriteria(tokenizer, list(stop_strings))
+        except ValueError:
+            by_strings[key] = None
+    return by_strings[key] or _DecodedStopStrings(tokenizer, stop_strings, prompt_width)
 
 
 def _adds_special_tokens(tokenizer: Any, prompts: Sequence[str]) -> bool:
@@ -132,7 +150,7 @@ def _generate_chunk(
     if min(limits) < max(limits):
         criteria.append(_RowTokenLimit(width, torch.tensor(limits, device=model.device)))
     if stop_strings:
-        criteria.append(_stop_criterion(tokenizer, stop_strings))
+        criteria.append(_stop_criterion(tokenizer, stop_strings, width))
     with torch.inference_mode():
         sequences = model.generate(
             input_ids=encoded["input_ids"],
