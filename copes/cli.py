@@ -130,7 +130,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     if resume:
         trainer.resume(resume)
     say = click.echo if trainer.is_main else (lambda *_: None)  # under torchrun, rank 0 speaks for all
-    say(f"{cfg.algorithm} on {cfg.task}: N={cfg.population} K={cfg.num_subspaces} sigma={cfg.sigma} "
+    say(f"{cfg.method} on {cfg.task}: N={cfg.population} K={cfg.num_subspaces} sigma={cfg.sigma} "
                f"lr={cfg.lr} model={cfg.model} device={trainer.device} -> {cfg.output_dir}")
     summary = trainer.train()
     before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]

@@ -119,6 +119,11 @@ class TrainConfig:
     def num_subspaces(self) -> int:
         return 1 if self.algorithm in ("es", "eggroll") else self.subspaces
 
+    @property
+    def method(self) -> str:
+        """What the run is, for people: CoPES with one subspace is standard ES, whichever flag asked for it."""
+        return "es" if self.algorithm == "copes" and self.num_subspaces == 1 else self.algorithm
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -109,7 +109,15 @@ def plot_curves(records: list[dict[str, Any]], evals: list[dict[str, Any]], path
     handles, labels = reward_axis.get_legend_handles_labels()
     if evals:
         accuracy_axis = reward_axis.twinx()
-        accuracy_axis.plot([e["step"] for e in evals], [100 * e["accuracy"] for e in evals], "o-", color="tab:orange", label="held-out accuracy (%)")
+        # Two evaluations (before and after, the default) are points, not a trend: a line between them would
+        # draw a learning curve that was never measured. Each point is labelled with its value.
+        eval_steps, accuracies = [e["step"] for e in evals], [100 * e["accuracy"] for e in evals]
+        accuracy_axis.plot(eval_steps, accuracies, "o-" if len(evals) > 2 else "o", color="tab:orange",
+                           label="held-out accuracy (%)")
+        for step, accuracy in zip(eval_steps, accuracies):
+            accuracy_axis.annotate(f"{accuracy:.1f}", (step, accuracy), textcoords="offset points", xytext=(0, 6),
+                                   ha="center", fontsize=7, color="tab:orange")
+        accuracy_axis.margins(y=0.15)  # room for the value labels
         accuracy_axis.set_ylabel("held-out accuracy (%)")
         more_handles, more_labels = accuracy_axis.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels

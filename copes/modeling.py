@@ -23,12 +23,37 @@ def resolve_model_path(model: str) -> str:
     path = Path(model).expanduser()
     looks_like_path = path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
     if not looks_like_path:
-        return model
+        return _hub_model_path(model)
     if not path.is_dir():
         raise UserError(f"model path {model} does not exist (give a model folder or a hub id like Qwen/Qwen3.5-4B)")
     if not any((path / name).exists() for name in WEIGHT_FILES):
         raise UserError(f"model folder {model} has no weights (expected one of: {', '.join(WEIGHT_FILES)})")
     return str(path)
+
+
+def _hub_model_path(model_id: str) -> str:
+    """A cached hub model's local snapshot (no network), else the id after one quick check that the hub answers:
+    offline, transformers would spend about 40 s in retries before failing with a traceback."""
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return huggingface_hub.snapshot_download(model_id, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    download = (f"download it first where there is network (`hf download {model_id}`, into the same HF_HOME) "
+                "or pass --model with a local folder")
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"model {model_id} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: {download}")
+    try:
+        huggingface_hub.model_info(model_id, timeout=10)
+    except (RepositoryNotFoundError, GatedRepoError) as error:
+        raise ConfigError(f"model {model_id} cannot be read from the hub ({type(error).__name__}): check the id, "
+                          "or log in (`hf auth login`) for a gated model") from None
+    except Exception as error:  # DNS, refused connection, proxy, timeout: any way of not reaching the hub
+        raise ConfigError(f"model {model_id} is not in the Hugging Face cache and the hub cannot be reached "
+                          f"({type(error).__name__}): {download}") from None
+    return model_id
 
 
 def resolve_device(device: str) -> torch.device:

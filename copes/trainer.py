@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -93,6 +94,9 @@ class Trainer:
             except ValueError:
                 continue
             if examples:
+                if len(examples) < self.cfg.eval_size and self.is_main:
+                    tqdm.write(f"warning: eval_size={self.cfg.eval_size} but the {split} split of {self.cfg.task} has "
+                               f"{len(examples)} questions; evaluating on all {len(examples)}", file=sys.stderr)
                 return examples
         raise ConfigError(f"task {self.cfg.task} has no held-out split to evaluate on")
 
@@ -176,6 +180,8 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         cfg, started = self.cfg, time.perf_counter()
+        # The high-water mark of loading (Python, torch, the model); on CPU it is ~0.5 GiB before any training.
+        self.peaks_at_start = peak_memory_bytes(self.device)
         metrics = MetricsLog(self.out / "metrics.jsonl" if self.is_main else None, keep_through_step=self.start_step,
                              tensorboard=cfg.tensorboard)
         if self.eval_before is None:
@@ -210,17 +216,18 @@ class Trainer:
 
     def finish(self, metrics: MetricsLog, eval_after: dict, steps: int, stopped_by: str, wall: float) -> dict[str, Any]:
         peaks = peak_memory_bytes(self.device)
+        peak, peak_at_start = (peaks_of.get("device", peaks_of["host"]) for peaks_of in (peaks, self.peaks_at_start))
         summary = {
             "eval_before": self.eval_before, "eval_after": eval_after, "steps": steps, "stopped_by": stopped_by,
-            "wall_seconds": round(wall, 2), "peak_memory_bytes": peaks.get("device", peaks["host"]),
-            "peak_host_memory_bytes": peaks["host"], "phase_seconds": self.timer.snapshot(),
+            "wall_seconds": round(wall, 2), "peak_memory_bytes": peak, "peak_host_memory_bytes": peaks["host"],
+            "training_peak_memory_growth_bytes": peak - peak_at_start, "phase_seconds": self.timer.snapshot(),
             "gpu_hours": round(wall / 3600 * (self.device.type == "cuda"), 4), "config": self.cfg.to_dict(),
         }
         if not self.is_main:
             return summary
         ckpt.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
         plot_curves(metrics.records, self.evals, self.out / "curve.png",
-                    f"{self.cfg.algorithm} on {self.cfg.task} ({Path(self.cfg.model).name})")
+                    f"{self.cfg.method} on {self.cfg.task} ({Path(self.cfg.model).name})")
         return summary
 
 
