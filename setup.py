@@ -29,7 +29,9 @@ setup(
     extras_require={
         # Triton ships with CUDA builds of torch; on CPU it only serves the interpreter-mode kernel tests.
         "triton": ["triton>=3.2"],
-        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.2"],
+        # The baselines the benchmarks compare against (bench/vs_grpo.py: TRL's GRPOTrainer).
+        "bench": ["trl>=0.20"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.2", "trl>=0.20"],
         "tensorboard": ["tensorboard>=2.15"],
     },
     entry_points={
