@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_kernels import RESULTS_DIR
-from common import PeakMemory, machine_note, pin_one_thread, report, train_config, write_csv
+from harness import RESULTS_DIR, machine_note, pin_one_thread, report, write_csv
+from memory_probe import PeakMemory
+from models import train_config
 
 GRPO = "GRPO (TRL)"
 # Each ES method as the trainer runs it: the tiny model's preset (copes/assets/tiny/copes.yaml) under these flags.
@@ -276,7 +277,7 @@ def measure_memory(job: tuple[str, int, int, int]) -> dict[str, Any]:
     pin_one_thread()
     import torch
 
-    from common import DEVICE
+    from harness import DEVICE
 
     model = memory_model(vocab_size=4096).to(DEVICE)
     prompts = torch.randint(0, 4096, (batch, length), generator=torch.Generator().manual_seed(length), device=DEVICE)

@@ -44,14 +44,14 @@ def _hub_model_path(model_id: str) -> str:
     download = (f"download it first where there is network (`hf download {model_id}`, into the same HF_HOME) "
                 "or pass --model with a local folder")
     if huggingface_hub.constants.HF_HUB_OFFLINE:
-        raise ConfigError(f"model {model_id} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: {download}")
+        raise UserError(f"model {model_id} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: {download}")
     try:
         huggingface_hub.model_info(model_id, timeout=10)
     except (RepositoryNotFoundError, GatedRepoError) as error:
-        raise ConfigError(f"model {model_id} cannot be read from the hub ({type(error).__name__}): check the id, "
+        raise UserError(f"model {model_id} cannot be read from the hub ({type(error).__name__}): check the id, "
                           "or log in (`hf auth login`) for a gated model") from None
     except Exception as error:  # DNS, refused connection, proxy, timeout: any way of not reaching the hub
-        raise ConfigError(f"model {model_id} is not in the Hugging Face cache and the hub cannot be reached "
+        raise UserError(f"model {model_id} is not in the Hugging Face cache and the hub cannot be reached "
                           f"({type(error).__name__}): {download}") from None
     return model_id
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from cli_runs import copes_run
-from tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer, one_torch_thread  # noqa: F401  (autouse fixture)
+from tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer
 
 from copes.evaluation import evaluate
 from copes.rewards import countdown_correct
