@@ -65,6 +65,9 @@ def _layers(config_file: str | None, flags: dict[str, Any]) -> list[dict[str, An
 @click.option("--prompt-batch", type=int, help="questions per step (paper: 64)")
 @click.option("--max-new-tokens", type=int, help="tokens generated per turn")
 @click.option("--tools/--no-tools", default=None, help="let the agent use the Python sandbox and search")
+@click.option("--unsafe-sandbox", is_flag=True, default=None,
+              help="run the Python tool even where the sandbox cannot isolate model-written code (loud warning)")
+@click.option("--max-observation-tokens", type=int, help="clip each tool result to this many tokens")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="weights dtype")
 @click.option("--device", help="auto | cpu | cuda | cuda:N")
 @click.option("--restore", type=click.Choice(["device", "host", "subtract"]), help="how perturbations are undone")
@@ -115,6 +118,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 @click.option("--temperature", type=float, default=0.3, help="sampling temperature when samples > 1")
 @click.option("--k", "ks", type=int, multiple=True, default=[1], help="pass@k to report (repeatable)")
 @click.option("--tools/--no-tools", default=True, help="let the agent use tools")
+@click.option("--unsafe-sandbox", is_flag=True, help="run the Python tool even where the sandbox cannot isolate code")
 @click.option("--max-new-tokens", type=int, default=1024, help="tokens generated per turn")
 @click.option("--batch-size", type=int, default=64, help="rows per generate call")
 @click.option("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -124,7 +128,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 @click.option("--seed", type=int, default=0, help="sampling seed")
 @user_errors
 def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | None, samples: int, temperature: float,
-                 ks: tuple[int, ...], tools: bool, max_new_tokens: int, batch_size: int, device: str, dtype: str,
+                 ks: tuple[int, ...], tools: bool, unsafe_sandbox: bool, max_new_tokens: int, batch_size: int, device: str, dtype: str,
                  data_dir: str | None, output: str | None, seed: int) -> None:
     """Evaluate a model: greedy accuracy, or pass@k with the unbiased estimator over several samples."""
     from copes.components import build_tools
@@ -143,7 +147,8 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
         examples = task.examples(split, limit=limit)
         limits = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
         agent = AgentConfig.for_kind(task.kind, **limits) if task.kind in ("math", "qa") else AgentConfig(**limits)
-        task_tools = build_tools(task, enabled=tools, corpus=None, retriever_url=None, timer=PhaseTimer(), corpus_dir=Path(tempfile.mkdtemp(prefix="copes-corpus-")))
+        task_tools = build_tools(task, enabled=tools, corpus=None, retriever_url=None, timer=PhaseTimer(), corpus_dir=Path(tempfile.mkdtemp(prefix="copes-corpus-")),
+                                 unsafe_sandbox=unsafe_sandbox)
         results[name] = evaluate(lm, tokenizer, task, examples, n_samples=samples, temperature=temperature, ks=ks,
                                  tools=task_tools, agent_config=agent, seed=seed)
     click.echo(format_table(results))

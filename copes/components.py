@@ -44,14 +44,20 @@ class TimedTool:
 
 
 def build_tools(
-    task: Task, *, enabled: bool, corpus: str | None, retriever_url: str | None, timer: PhaseTimer, corpus_dir: Path
+    task: Task, *, enabled: bool, corpus: str | None, retriever_url: str | None, timer: PhaseTimer, corpus_dir: Path,
+    unsafe_sandbox: bool = False,
 ) -> list[TimedTool]:
-    """Python sandbox for every chat task; search too when a retriever or corpus is available."""
+    """Python sandbox for every chat task; search too when a retriever or corpus is available.
+
+    The sandbox is checked here, before any training: SandboxUnavailable (a ConfigError) names what this machine
+    lacks, unless `unsafe_sandbox` asks to run without it."""
     if not enabled or not task.chat:
         return []
-    from copes.tools import BM25Search, HttpRetriever, PythonTool, SearchTool
+    from copes.tools import BM25Search, HttpRetriever, PythonSandbox, PythonTool, SearchTool
 
-    tools: list[Any] = [PythonTool()]
+    python_tool = PythonTool(PythonSandbox(unsafe=unsafe_sandbox))
+    python_tool.sandbox.check()
+    tools: list[Any] = [python_tool]
     if retriever_url:
         tools.append(SearchTool(HttpRetriever(retriever_url)))
     elif corpus:

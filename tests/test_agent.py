@@ -170,7 +170,8 @@ def test_context_limit_ends_rows_cleanly(tokenizer, tools):
     limit = max(prompt_lengths[1:]) + 60
     assert prompt_lengths[0] > limit
     policy, log = scripted(tokenizer, replies), RowLog()
-    config = AgentConfig(max_context_tokens=limit, max_new_tokens=512)
+    # An observation budget above the 1500 tokens of [big-output]'s result: this test is about the context limit.
+    config = AgentConfig(max_context_tokens=limit, max_new_tokens=512, max_observation_tokens=2000)
     long_prompt, big_output, long_reply, short = run_agent(
         policy, tokenizer, questions, tools=tools, config=config, row_context=log
     )
