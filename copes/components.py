@@ -69,14 +69,14 @@ def build_tools(
     return [TimedTool(tool, timer) for tool in tools]
 
 
-def task_corpus(task: Task, folder: Path) -> Path | None:
-    """A BM25 corpus of every context paragraph the task's splits carry (HotpotQA, 2Wiki); None when they carry
+def task_corpus(task: Task, folder: Path, splits: tuple[str, ...] = ("train", "validation", "test")) -> Path | None:
+    """A BM25 corpus of every context paragraph the task's `splits` carry (HotpotQA, 2Wiki); None when they carry
     none (MuSiQue: give --search-corpus or --retriever-url)."""
     from copes.tasks.loading import DatasetError
     from copes.tools import write_corpus
 
     paragraphs = []
-    for split in ("train", "validation", "test"):
+    for split in splits:
         try:
             examples = task.examples(split)
         except (ValueError, DatasetError):
