@@ -238,10 +238,16 @@ def observation_text(tokenizer: Any, text: str, max_tokens: int) -> str:
     ids = tokenizer.encode(neutralize_markup(tokenizer, text), add_special_tokens=False)
     if len(ids) <= max_tokens and not clipped_chars:
         return tokenizer.decode(ids)
-    half = max(max_tokens // 2, 1)
-    omitted = "some" if clipped_chars else str(len(ids) - 2 * half)
-    head, tail = tokenizer.decode(ids[:half]), tokenizer.decode(ids[-half:])
-    return f"{head}\n... [{omitted} tokens omitted] ...\n{tail}"
+    note = f"\n... [{'some' if clipped_chars else len(ids) - max_tokens} tokens omitted] ...\n"
+    half = (max_tokens - len(tokenizer.encode(note, add_special_tokens=False))) // 2
+    while half > 0:
+        # Decoding a slice and encoding it again can merge differently; shrink until the whole fits.
+        clipped = tokenizer.decode(ids[:half]) + note + tokenizer.decode(ids[-half:])
+        excess = len(tokenizer.encode(clipped, add_special_tokens=False)) - max_tokens
+        if excess <= 0:
+            return clipped
+        half -= excess
+    return tokenizer.decode(ids[:max_tokens])  # a budget too small for the note
 
 
 def tag_results_suffix(observations: Sequence[str]) -> str:

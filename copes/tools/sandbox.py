@@ -4,7 +4,7 @@ right answers and so learns to look for them.
 `PythonSandbox.run(code)` starts `sandbox_child.py` (standard library only, `python -I -S`) in a new session
 with a scrubbed environment; the child puts every layer in place and checks it from inside (see its docstring):
 a whole-run cgroup (memory, pids), a fresh per-run uid (as root) inside its own user namespace, private network,
-mount, IPC, UTS and pid namespaces, a fresh session keyring, a fresh read-only tmpfs root with only the
+mount, IPC and pid namespaces, a fresh session keyring, a fresh read-only tmpfs root with only the
 interpreter, its libraries and site-packages, a size-limited work dir, rlimits, no capabilities, no_new_privs.
 
 Fail closed: unless every layer is verified, the run stops before the code starts and `run` raises

@@ -5,7 +5,7 @@ Standard library only, on purpose: it runs before any isolation exists, so it mu
 
     bootstrap  join the run's cgroups (whole-run memory and pids limits) and check them from inside;
                root: become a fresh per-run uid; then unshare USER (our uid -> uid 1000 inside), NET, NS, IPC,
-               UTS, PID, and check every namespace differs from the caller's
+               PID, and check every namespace differs from the caller's
       fork --> init (pid 1 of the new pid namespace): a fresh session keyring; a fresh tmpfs root holding only
                read-only binds of the interpreter, its libraries and site-packages, /dev/null|zero|urandom, a
                fresh /proc and a size-limited writable work dir; pivot_root into it, check every mount
@@ -35,11 +35,11 @@ NAMESPACES = {
     "network": 0x40000000,
     "mount": 0x00020000,
     "ipc": 0x08000000,
-    "uts": 0x04000000,
     "pid": 0x20000000,
 }
+PROTECTION_OF = {"user": "user", "network": "network", "mount": "filesystem", "ipc": "ipc", "pid": "pid_namespace"}
 # /proc/self/ns entry of each namespace, to check from inside that it is not the caller's.
-NAMESPACE_FILES = {"user": "user", "network": "net", "mount": "mnt", "ipc": "ipc", "uts": "uts", "pid": "pid"}
+NAMESPACE_FILES = {"user": "user", "network": "net", "mount": "mnt", "ipc": "ipc", "pid": "pid"}
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
@@ -179,12 +179,15 @@ def _enter_namespaces(config: dict, report: Report) -> list[str]:
                                    ("gid_map", f"{INSIDE_ID} {outside_gid} 1")):
                     with open(f"/proc/self/{path}", "w") as file:
                         file.write(text)
-        except (Refused, OSError) as error:
-            report.verdict(name if name != "pid" else "pid_namespace", False, str(error))
+        except OSError as error:
             missing.append(name)
             if name == "user":  # without it the other namespaces need privileges we gave up
                 report.verdict("user", False, f"{error}; the code would run as uid {outside_uid}")
-                return missing + ["network", "mount", "ipc", "pid"]
+                for other in NAMESPACES:
+                    if other != "user":
+                        report.verdict(PROTECTION_OF[other], False, "needs the user namespace")
+                return list(NAMESPACES)
+            report.verdict(PROTECTION_OF[name], False, str(error))
     return missing
 
 

@@ -221,14 +221,19 @@ class HttpRetriever(_BatchRetriever):
             connection = connection_type(parts.hostname, parts.port, timeout=self.timeout_s)
         except (ValueError, http.client.HTTPException) as error:
             raise SearchError(f"bad retrieval server address {self.endpoint}: {error}") from error
-        # At the deadline the socket is shut down, which ends whatever read or write is blocked on it.
-        watchdog = threading.Timer(self.timeout_s, _shut_down, args=(connection,))
-        watchdog.daemon = True
-        watchdog.start()
+        watchdog = None
         try:
+            connection.connect()  # bounded by the socket timeout
+            # At the deadline the socket is shut down, which ends whatever read or write is blocked on it (the
+            # response keeps reading from this socket even after the connection object lets go of it).
+            watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), _shut_down, args=(connection.sock,))
+            watchdog.daemon = True
+            watchdog.start()
             connection.request("POST", parts.path or "/", body=payload, headers={"Content-Type": "application/json"})
             response = connection.getresponse()
             body = response.read(self.max_response_bytes + 1)
+            if response.length and len(body) <= self.max_response_bytes:  # fewer bytes than Content-Length promised: the server hung up or was cut off
+                raise http.client.IncompleteRead(body, response.length)
         except (OSError, http.client.HTTPException, ValueError) as error:
             if time.monotonic() >= deadline:
                 raise SearchError(
@@ -237,7 +242,8 @@ class HttpRetriever(_BatchRetriever):
                 ) from None
             raise SearchError(f"cannot reach retrieval server {self.endpoint}: {error!r}") from error
         finally:
-            watchdog.cancel()
+            if watchdog is not None:
+                watchdog.cancel()
             connection.close()
         if response.status != 200:  # redirects included: the agent's search goes to the configured server only
             detail = body[:300].decode("utf-8", errors="replace")
@@ -259,10 +265,8 @@ class HttpRetriever(_BatchRetriever):
         return [[_passage_from_hit(hit) for hit in hits[:top_k]] for hits in result]
 
 
-def _shut_down(connection: http.client.HTTPConnection) -> None:
-    sock = connection.sock
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already closed
+def _shut_down(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
