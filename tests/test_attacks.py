@@ -313,6 +313,30 @@ def test_fails_closed_without_whole_run_cgroup_limits() -> None:
     assert "process_limit (no: no whole-run process limit" in completed.stdout
 
 
+@pytest.mark.slow
+@needs_unshare
+@pytest.mark.skipif(os.geteuid() != 0, reason="hiding the cgroup filesystem needs a mount namespace of root")
+@pytest.mark.skipif(not (DATA / "math" / "gsm8k_test.jsonl").exists(), reason="shared GSM8K data not found")
+@pytest.mark.parametrize("unsafe", [False, True])
+def test_trainer_start_up_fails_closed_unless_unsafe_is_asked_for(tmp_path: Path, unsafe: bool) -> None:
+    """copes-run on a tool-using task where cgroups are missing: one error line and status 2 before any training;
+    with --unsafe-sandbox it runs, after one loud warning."""
+    command = [shutil.which("copes-run") or "copes-run", "--task", "gsm8k", "--data-dir", str(DATA), "--steps", "0",
+               "--eval-size", "0", "--output-dir", str(tmp_path / "run"), "--quiet", *(["--unsafe-sandbox"] * unsafe)]
+    completed = subprocess.run(
+        [UNSHARE, "--mount", "sh", "-c", 'mount -t tmpfs none /sys/fs/cgroup && exec "$@"', "sh", *command],
+        capture_output=True, text=True, timeout=300,
+    )
+    if unsafe:
+        assert completed.returncode == 0, completed.stderr[-2000:]
+        assert completed.stderr.count("UNSAFE Python sandbox") == 1
+    else:
+        assert completed.returncode == 2
+        (line,) = completed.stderr.strip().splitlines()
+        assert line.startswith("error: the Python sandbox cannot isolate code on this machine: memory (no:")
+        assert "--unsafe-sandbox" in line and not (tmp_path / "run" / "summary.json").exists()
+
+
 @pytest.mark.skipif(SETPRIV is None, reason="setpriv (util-linux) is not installed")
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping CAP_SYS_ADMIN from root needs root")
 def test_root_without_cap_sys_admin_is_contained_or_refused(tmp_path: Path) -> None:

@@ -205,11 +205,13 @@ class PythonSandbox:
             report = _parse_report(report_pipe.read())
         if not report["isolation"].get("pid_namespace", "no").startswith("yes"):
             _kill_group(process)  # without a pid namespace, children may still run in the bootstrap's group
-        missing = [name for name in PROTECTIONS if not report["isolation"].get(name, "no").startswith("yes")]
+        isolation = report["isolation"]
+        missing = [name for name in PROTECTIONS if not isolation.get(name, "no").startswith("yes")]
         if missing and not self.unsafe:
-            why = "; ".join(f"{name} ({report['isolation'].get(name, 'not checked')})" for name in missing)
-            if not report["isolation"]:  # the bootstrap itself failed: its traceback says why
-                why += f"; the bootstrap said: {stderr.decode(errors='replace').strip()[-300:]!r}"
+            refused = [name for name in missing if name in isolation]
+            why = "; ".join(f"{name} ({isolation[name]})" for name in refused)
+            if not refused:  # the bootstrap itself failed: its traceback says why
+                why = f"{', '.join(missing)} not checked; the bootstrap said: {stderr.decode(errors='replace').strip()[-300:]!r}"
             raise SandboxUnavailable(f"the Python sandbox cannot isolate code on this machine: {why}. "
                                      f"To allow it: {_HOW_TO_ALLOW}")
         result = SandboxResult(

@@ -133,7 +133,7 @@ def _join_cgroups(config: dict, report: Report) -> list[str]:
     if cgroup is None:
         reason = config["cgroup_unavailable"]
         report.verdict("memory", False, f"no whole-run memory limit: {reason}")
-        report.verdict("process_limit", False, f"no whole-run process limit: {reason}")
+        report.verdict("process_limit", False, "no whole-run process limit: no cgroup either (see memory)")
         return ["memory", "process_limit"]
     try:
         for procs_file in cgroup["procs_files"]:
