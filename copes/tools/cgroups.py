@@ -1,10 +1,11 @@
 """A cgroup per sandbox run, so memory and process limits hold for the whole run rather than per process.
 
-cgroup v2 is used when the memory and pids controllers are delegated to our cgroup (enabled in its
-`cgroup.subtree_control`, or enabling them works); otherwise cgroup v1 memory and pids hierarchies we can write
-to (a hybrid setup, as on this project's machines). Without either, `RunCgroup.create` returns the reason and
-the strict sandbox refuses to run. Run cgroups are created under our own cgroup, so a container's limits still
-bound them, and removed after the run; removal never raises.
+cgroup v2 is used when the memory and pids controllers can be enabled for children of our cgroup, or of the
+hierarchy's root (root on a systemd machine: its session cgroup holds processes, which the kernel's
+no-internal-processes rule forbids for a cgroup with controllers enabled for children); otherwise cgroup v1
+memory and pids hierarchies we can write to (a hybrid setup, as on this project's machines). Without either,
+`RunCgroup.create` returns the reason and the strict sandbox refuses to run. Run cgroups go under our own cgroup
+where possible, so a container's limits still bound them, and are removed after the run; removal never raises.
 """
 
 from __future__ import annotations
@@ -78,8 +79,11 @@ class RunCgroup:
             return f"cannot read this process's cgroups: {error}"
         name = f"copes-sandbox-{os.getpid()}-{secrets.token_hex(4)}"
         reasons = []
-        if unified is not None:
-            made = cls._create_v2(unified, name, memory_bytes, max_processes)
+        # v2: under our own cgroup, else (root on a systemd machine, whose session cgroup holds processes and so
+        # cannot enable controllers for children) under the hierarchy's root.
+        v2_parents = [] if unified is None else [unified, _Hierarchy(unified.mount_point, "/")][: 1 + (unified.path != "/")]
+        for parent in v2_parents:
+            made = cls._create_v2(parent, name, memory_bytes, max_processes)
             if isinstance(made, cls):
                 return made
             reasons.append(f"cgroup v2: {made}")
@@ -98,7 +102,7 @@ class RunCgroup:
         try:
             enabled = open(os.path.join(parent, "cgroup.subtree_control")).read().split()
             if not {"memory", "pids"} <= set(enabled):
-                # Refused (EBUSY) when our cgroup holds processes itself: delegate a cgroup with the controllers on.
+                # Refused (EBUSY) when the cgroup holds processes itself (the kernel's no-internal-processes rule).
                 _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
         except OSError as error:
             return f"memory and pids controllers not delegated to {parent} ({error.strerror})"
