@@ -1,11 +1,12 @@
 """A cgroup per sandbox run, so memory and process limits hold for the whole run rather than per process.
 
-cgroup v2 is used when the memory and pids controllers can be enabled for children of our cgroup, or of the
-hierarchy's root (root on a systemd machine: its session cgroup holds processes, which the kernel's
-no-internal-processes rule forbids for a cgroup with controllers enabled for children); otherwise cgroup v1
-memory and pids hierarchies we can write to (a hybrid setup, as on this project's machines). Without either,
-`RunCgroup.create` returns the reason and the strict sandbox refuses to run. Run cgroups go under our own cgroup
-where possible, so a container's limits still bound them, and are removed after the run; removal never raises.
+cgroup v2 is used when the memory and pids controllers can be enabled for children of our cgroup, of its parent
+(a trainer started in a leaf of a delegated subtree) or of the hierarchy's root (root on a systemd machine: the
+kernel's no-internal-processes rule forbids enabling controllers for children of a cgroup that holds processes,
+such as a session's); otherwise cgroup v1 memory and pids hierarchies we can write to (a hybrid setup, as on
+this project's machines). Without either, `RunCgroup.create` returns the reason and the strict sandbox refuses
+to run. Run cgroups go as close to our own cgroup as allowed, so a container's limits still bound them, and are
+removed after the run; removal never raises.
 """
 
 from __future__ import annotations
@@ -79,10 +80,11 @@ class RunCgroup:
             return f"cannot read this process's cgroups: {error}"
         name = f"copes-sandbox-{os.getpid()}-{secrets.token_hex(4)}"
         reasons = []
-        # v2: under our own cgroup, else (root on a systemd machine, whose session cgroup holds processes and so
-        # cannot enable controllers for children) under the hierarchy's root.
-        v2_parents = [] if unified is None else [unified, _Hierarchy(unified.mount_point, "/")][: 1 + (unified.path != "/")]
-        for parent in v2_parents:
+        # v2: under our own cgroup, else beside it (a trainer started in a leaf of a delegated subtree), else under
+        # the hierarchy's root (root on a systemd machine, whose session cgroup holds processes).
+        paths = [] if unified is None else [unified.path, os.path.dirname(unified.path), "/"]
+        for path in dict.fromkeys(paths):
+            parent = _Hierarchy(unified.mount_point, path)
             made = cls._create_v2(parent, name, memory_bytes, max_processes)
             if isinstance(made, cls):
                 return made
