@@ -66,13 +66,16 @@ def _probe(paths: list[str], how: str = "open({path!r}).read(1)") -> str:
 def test_dataset_files_caches_and_run_dirs_are_not_visible(sandbox: PythonSandbox, tmp_path: Path) -> None:
     run_dir = REPO / "runs"
     secrets = [str(DATA / "math" / "aime25_test.jsonl"), str(DATA), str(Path.home() / ".cache" / "huggingface"),
-               str(run_dir), str(REPO / "tests" / "test_attacks.py"), str(Path.home() / ".ssh"), "/work/shared", "/work/wt", "/tmp"]
-    listing = "import os\nprint(sorted(os.listdir('/')))\n"
+               str(run_dir), str(REPO / "tests" / "test_attacks.py"), str(Path.home() / ".ssh"), "/work/shared", "/work/wt"]
+    listing = "import os\nprint(sorted(os.listdir('/')), os.listdir('/tmp'))\n"
     lines = _lines(sandbox, listing + _probe(secrets, "os.listdir({path!r}) if os.path.isdir({path!r}) else "
                                                       "open({path!r}).read(1)"))
     assert all(line == str(errno.ENOENT) for line in lines[1:]), lines
     # The root holds the interpreter's install, system libraries, /dev, /proc and the work dir; nothing else.
-    assert set(eval(lines[0])) <= {"dev", "proc", "sandbox", "usr", "lib", "lib64", "bin", "etc", "root", "work"}
+    top_level, tmp = lines[0].split("] ")
+    assert set(eval(top_level + "]")) <= {"dev", "proc", "sandbox", "tmp", "usr", "lib", "lib64", "bin", "etc", "root",
+                                          "work"}
+    assert tmp == "[]", "the host's /tmp is not there, only an empty read-only directory"
 
 
 def test_a_secret_file_of_the_caller_is_unreadable(sandbox: PythonSandbox, tmp_path: Path) -> None:

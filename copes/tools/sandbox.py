@@ -298,7 +298,7 @@ def _root_layout(python: str) -> dict:
     symlinks = {f"/{entry}": os.readlink(f"/{entry}") for entry in os.listdir("/") if os.path.islink(f"/{entry}")}
     symlinks = {link: target for link, target in symlinks.items()
                 if any(f"{bind}/".startswith(os.path.realpath(link) + "/") for bind in binds)}
-    top_level = {path.split("/")[1] for path in [*binds, *symlinks]} | {"dev", "proc",
+    top_level = {path.split("/")[1] for path in [*binds, *symlinks]} | {"dev", "proc", "tmp",
                                                                          sandbox_child.WORKDIR.split("/")[1]}
     return {"binds": binds, "symlinks": symlinks, "top_level": sorted(top_level)}
 

@@ -267,6 +267,7 @@ def _build_root(config: dict) -> None:
     os.makedirs(root + "/proc", mode=0o555)
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     _make_path(root, WORKDIR, "/")
+    os.mkdir(root + "/tmp", 0o755)  # empty and read-only: code that writes to /tmp fails loudly (TMPDIR is WORKDIR)
     os.chdir(root)
     _syscall("pivot_root", b".", b".")  # the old root ends up stacked under the new one; detach it
     _check(libc.umount2(b".", ctypes.c_int(MNT_DETACH)), "umount old root")
