@@ -8,7 +8,6 @@ fail-closed tests force each namespace or limit to be unavailable for real (a pe
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
@@ -31,7 +30,7 @@ from copes.rewards import extract_answer, format_reward, last_boxed
 from copes.rollout import AgentConfig, parse_tool_calls, run_agent
 from copes.rollout.templates import observation_text
 from copes.tasks import get_task
-from copes.tools import HttpRetriever, PythonSandbox, PythonTool, SandboxUnavailable, SearchError, SearchTool
+from copes.tools import HttpRetriever, PythonSandbox, PythonTool, SearchError, SearchTool
 from copes.tools.sandbox import remove_tree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -194,7 +193,6 @@ SYS_add_key, SYS_keyctl = 248, 250
 libc.syscall(SYS_keyctl, 1, None)  # a session keyring of this test process alone
 secret = libc.syscall(SYS_add_key, b"user", b"copes-secret", b"s3cret", 6, -3)
 probe = f'''
-import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
 found = libc.syscall(250, 10, -3, b"user", b"copes-secret", 0)  # KEYCTL_SEARCH in the session keyring
 buffer = ctypes.create_string_buffer(64)

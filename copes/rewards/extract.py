@@ -8,6 +8,9 @@ the paper, most specific first:
 3. otherwise the whole output, stripped.
 
 A tag or box that is opened but never closed (a truncated generation) does not count as complete.
+
+Pass only text the model generated (`Trajectory.final_text`, or `Trajectory.model_text`), never a transcript with
+tool results in it: a tool the policy controls can print any `\\boxed{}` it likes.
 """
 
 from __future__ import annotations
