@@ -193,6 +193,7 @@ SYS_add_key, SYS_keyctl = 248, 250
 libc.syscall(SYS_keyctl, 1, None)  # a session keyring of this test process alone
 secret = libc.syscall(SYS_add_key, b"user", b"copes-secret", b"s3cret", 6, -3)
 probe = f'''
+import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
 found = libc.syscall(250, 10, -3, b"user", b"copes-secret", 0)  # KEYCTL_SEARCH in the session keyring
 buffer = ctypes.create_string_buffer(64)

@@ -191,27 +191,28 @@ def _enter_namespaces(config: dict, report: Report) -> list[str]:
     return missing
 
 
-def _check_namespaces(config: dict, report: Report, missing: list[str]) -> list[str]:
-    caller = config["caller_namespaces"]
-    ours = namespace_ids()
-    if "network" not in missing:
+def _check_namespaces(config: dict, report: Report, not_entered: list[str]) -> list[str]:
+    """Check from inside that each namespace we entered really is a fresh one; returns those that are not."""
+    caller, ours = config["caller_namespaces"], namespace_ids()
+    failed = []
+    if "network" not in not_entered:
         interfaces = [interface for _, interface in socket.if_nameindex()]
         fresh = ours["network"] != caller["network"] and interfaces == ["lo"]
         if not report.verdict("network", fresh, f"private network namespace {ours['network']}, interfaces: "
                                                 f"{', '.join(interfaces)}, all down"):
-            missing.append("network")
-    if "ipc" not in missing:
+            failed.append("network")
+    if "ipc" not in not_entered:
         fresh = ours["ipc"] != caller["ipc"]
         if not report.verdict("ipc", fresh, f"private System V IPC and POSIX message queues {ours['ipc']}"):
-            missing.append("ipc")
-    if "user" not in missing:
+            failed.append("ipc")
+    if "user" not in not_entered:
         uid_map = open("/proc/self/uid_map").read().split()
         user_ok = ours["user"] != caller["user"] and uid_map[:1] == [str(INSIDE_ID)] and len(uid_map) == 3
         detail = (f"per-run uid {uid_map[1]} (uid {INSIDE_ID} of its own user namespace)" if config["run_uid"]
                   else f"uid {INSIDE_ID} of its own user namespace, mapped to the caller's uid {uid_map[1]}")
         if not report.verdict("user", user_ok, detail):
-            missing.append("user")
-    return missing
+            failed.append("user")
+    return failed
 
 
 # ---------------------------------------------------------------- init: keyring, filesystem
@@ -436,8 +437,8 @@ def main(config: dict) -> NoReturn:
     root_built = _build_root_as_root(config)
     _become_run_user(config)
     unavailable = _enter_namespaces(config, report)
-    missing += _check_namespaces(config, report, unavailable) + [name for name in unavailable if name not in missing]
-    report.stop_if_missing(sorted(set(missing)))
+    missing += unavailable + _check_namespaces(config, report, unavailable)
+    report.stop_if_missing(missing)
     report.send()
     init_pid = os.fork()
     pid_namespace = "pid" not in unavailable
