@@ -300,6 +300,52 @@ def test_fails_closed_when_a_namespace_is_unavailable(limit: str, protection: st
     assert "UNSAFE Python sandbox" in unsafe.stderr, "unsafe mode must say loudly what is missing"
 
 
+_ROOTLESS_ESCAPES = (
+    "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "print(libc.mount(None, b'/', None, 0x20 | 0x1000, None), ctypes.get_errno())\n"  # remount / read-write
+    "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
+    "try:\n    open({secret!r}).read()\n    print('reached')\nexcept OSError as error:\n    print(error.errno)\n"
+)
+
+
+@needs_unshare
+def test_rootless_container_code_is_not_root_and_cannot_remount(tmp_path: Path) -> None:
+    """As root of a user namespace that maps only uid 0 (a rootless container), the code must not run as that
+    root: no capabilities, no remount, and the caller's 0600 files out of sight."""
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("secret")
+    secret.chmod(0o600)
+    completed = _in_user_namespace("true", _ROOTLESS_ESCAPES.format(secret=str(secret)))
+    if completed.returncode == 3:  # this machine cannot isolate it: refused, which is also containment
+        assert completed.stdout.startswith("UNAVAILABLE")
+        return
+    report = json.loads(completed.stdout.splitlines()[-1])
+    assert report["stdout"].split() == ["-1", str(errno.EPERM), "0000000000000000", str(errno.ENOENT)]
+    assert report["isolation"]["user"].startswith("yes: uid 1000 of its own user namespace")
+
+
+@pytest.mark.skipif(SETPRIV is None, reason="setpriv (util-linux) is not installed")
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to a non-root user needs root")
+def test_a_non_root_caller_keeps_its_secrets(tmp_path: Path) -> None:
+    as_user = [SETPRIV, "--reuid", "4242", "--regid", "4242", "--clear-groups", sys.executable]
+    if subprocess.run([*as_user, "-c", "import copes.tools"], capture_output=True).returncode:
+        pytest.skip(f"a non-root user cannot run {sys.executable} with copes here (the interpreter or the "
+                    "checkout is not readable by other users)")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "token").write_text("hf_secret")
+    os.chown(home, 4242, 4242)
+    os.chown(home / "token", 4242, 4242)
+    (home / "token").chmod(0o600)
+    script = (
+        "from copes.tools import PythonSandbox, SandboxUnavailable\n"
+        f"try:\n    print(PythonSandbox().run({_probe([str(home / 'token')])!r}).stdout, end='')\n"
+        "except SandboxUnavailable as error:\n    print('UNAVAILABLE', error)\n"
+    )
+    completed = subprocess.run([*as_user, "-c", script], capture_output=True, text=True, timeout=120)
+    assert completed.stdout.strip() == str(errno.ENOENT) or completed.stdout.startswith("UNAVAILABLE")
+
+
 @needs_unshare
 @pytest.mark.skipif(os.geteuid() != 0, reason="hiding the cgroup filesystem needs a mount namespace of root")
 def test_fails_closed_without_whole_run_cgroup_limits() -> None:
