@@ -369,7 +369,8 @@ def test_fails_closed_without_whole_run_cgroup_limits() -> None:
 def test_trainer_start_up_fails_closed_unless_unsafe_is_asked_for(tmp_path: Path, unsafe: bool) -> None:
     """copes-run on a tool-using task where cgroups are missing: one error line and status 2 before any training;
     with --unsafe-sandbox it runs, after one loud warning."""
-    command = [shutil.which("copes-run") or "copes-run", "--task", "gsm8k", "--data-dir", str(DATA), "--steps", "0",
+    copes_run = [sys.executable, "-c", "from copes.cli import run_command; run_command()"]
+    command = [*copes_run, "--task", "gsm8k", "--data-dir", str(DATA), "--steps", "0",
                "--eval-size", "0", "--output-dir", str(tmp_path / "run"), "--quiet", *(["--unsafe-sandbox"] * unsafe)]
     completed = subprocess.run(
         [UNSHARE, "--mount", "sh", "-c", 'mount -t tmpfs none /sys/fs/cgroup && exec "$@"', "sh", *command],

@@ -336,27 +336,33 @@ def _drop_capabilities() -> str:
     return "none: effective, permitted, inheritable, ambient and bounding sets empty; no_new_privs"
 
 
-def _set_rlimits(limits: dict[str, int]) -> None:
-    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_seconds"], limits["cpu_seconds"] + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_bytes"],) * 2)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limits["open_files"],) * 2)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"],) * 2)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
+def _set_rlimits(limits: dict[str, int]) -> bool:
+    """Set every per-process limit and read them back; True when all hold."""
+    wanted = {
+        resource.RLIMIT_CPU: (limits["cpu_seconds"], limits["cpu_seconds"] + 1),
+        resource.RLIMIT_AS: (limits["memory_bytes"],) * 2,
+        resource.RLIMIT_NOFILE: (limits["open_files"],) * 2,
+        resource.RLIMIT_FSIZE: (limits["file_bytes"],) * 2,
+        resource.RLIMIT_CORE: (0, 0),
+        resource.RLIMIT_NPROC: (limits["processes"],) * 2,
+    }
+    for limit, values in wanted.items():
+        resource.setrlimit(limit, values)
+    return all(resource.getrlimit(limit) == values for limit, values in wanted.items())
 
 
 def _exec_user_code(config: dict, report: Report, workdir: str) -> NoReturn:
     limits = config["rlimits"]
     try:
-        _set_rlimits(limits)
-        report.verdict("rlimits", True, f"cpu {limits['cpu_seconds']} s, address space {limits['memory_bytes'] >> 20} "
+        rlimits_ok = _set_rlimits(limits)
+        report.verdict("rlimits", rlimits_ok, f"cpu {limits['cpu_seconds']} s, address space {limits['memory_bytes'] >> 20} "
                                         f"MiB, open files {limits['open_files']}, file size "
                                         f"{limits['file_bytes'] >> 20} MiB, core 0 per process")
         try:
             ok = report.verdict("capabilities", True, _drop_capabilities())
         except Refused as error:
             ok = report.verdict("capabilities", False, str(error))
-        report.stop_if_missing([] if ok else ["capabilities"])
+        report.stop_if_missing([name for name, held in (("capabilities", ok), ("rlimits", rlimits_ok)) if not held])
         report.send()
         os.set_inheritable(report.fd, False)  # the code must not be able to forge the report
         os.close(report.fd)
