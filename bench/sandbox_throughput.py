@@ -57,7 +57,8 @@ def measure(base: str, runs_per_round: int, rounds: int) -> list[dict[str, objec
                                         repeats=rounds)
     rate = {name: runs_per_round / seconds for name, seconds in best.items()}
     return [
-        {"sandbox": name, "runs_per_s": rate[name], "ms_per_run": 1000 / rate[name], "ratio_vs_base": rate[name] / rate[base]}
+        {"sandbox": name, "runs_per_s": rate[name], "ms_per_run": 1000 / rate[name],
+         "ratio_vs_base": rate[name] / rate[base]}
         for name in sandboxes
     ]
 

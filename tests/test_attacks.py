@@ -65,7 +65,8 @@ def _probe(paths: list[str], how: str = "open({path!r}).read(1)") -> str:
 def test_dataset_files_caches_and_run_dirs_are_not_visible(sandbox: PythonSandbox, tmp_path: Path) -> None:
     run_dir = REPO / "runs"
     secrets = [str(DATA / "math" / "aime25_test.jsonl"), str(DATA), str(Path.home() / ".cache" / "huggingface"),
-               str(run_dir), str(REPO / "tests" / "test_attacks.py"), str(Path.home() / ".ssh"), "/work/shared", "/work/wt"]
+               str(run_dir), str(REPO / "tests" / "test_attacks.py"), str(Path.home() / ".ssh"), "/work/shared",
+               "/work/wt"]
     listing = "import os\nprint(sorted(os.listdir('/')), os.listdir('/tmp'))\n"
     lines = _lines(sandbox, listing + _probe(secrets, "os.listdir({path!r}) if os.path.isdir({path!r}) else "
                                                       "open({path!r}).read(1)"))
@@ -87,7 +88,8 @@ def test_a_secret_file_of_the_caller_is_unreadable(sandbox: PythonSandbox, tmp_p
 
 
 def test_only_three_device_nodes(sandbox: PythonSandbox) -> None:
-    lines = _lines(sandbox, "import os\nprint(sorted(os.listdir('/dev')))\nprint(len(open('/dev/urandom','rb').read(8)))"
+    lines = _lines(sandbox, "import os\nprint(sorted(os.listdir('/dev')))\n"
+                            "print(len(open('/dev/urandom','rb').read(8)))"
                             "\nopen('/dev/null', 'w').write('x')\n" + _probe(["/dev/sda", "/dev/vda", "/dev/mem"]))
     assert lines == ["['fd', 'null', 'urandom', 'zero']", "8", *[str(errno.ENOENT)] * 3]
 

@@ -142,7 +142,8 @@ def test_bm25_results_are_scored_sorted_and_bounded(bm25: BM25Search) -> None:
 
 
 def test_bm25_top_k_larger_than_corpus(tmp_path: Path) -> None:
-    data_dir = _data_dir_with(tmp_path, "hotpotqa_distractor_dev.jsonl", json.dumps(_rows(HOTPOT_DEV, limit=1)[0]) + "\n")
+    one_row = json.dumps(_rows(HOTPOT_DEV, limit=1)[0]) + "\n"
+    data_dir = _data_dir_with(tmp_path, "hotpotqa_distractor_dev.jsonl", one_row)
     corpus = _hotpotqa_corpus(data_dir, tmp_path / "corpus", ("validation",))
     size = len(load_corpus(corpus))
     results = BM25Search(corpus).search("album band debut performance", top_k=50)

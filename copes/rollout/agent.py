@@ -303,8 +303,9 @@ def run_agent(
         for index, row_records in zip(calling, records):
             trajectory = trajectories[index]
             # The record keeps the observation exactly as the model was shown it.
+            budget = config.max_observation_tokens
             row_records = [
-                replace(record, observation=observation_text(tokenizer, record.observation, config.max_observation_tokens))
+                replace(record, observation=observation_text(tokenizer, record.observation, budget))
                 for record in row_records
             ]
             trajectory.tool_calls += row_records

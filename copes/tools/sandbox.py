@@ -211,7 +211,8 @@ class PythonSandbox:
             refused = [name for name in missing if name in isolation]
             why = "; ".join(f"{name} ({isolation[name]})" for name in refused)
             if not refused:  # the bootstrap itself failed: its traceback says why
-                why = f"{', '.join(missing)} not checked; the bootstrap said: {stderr.decode(errors='replace').strip()[-300:]!r}"
+                said = stderr.decode(errors="replace").strip()[-300:]
+                why = f"{', '.join(missing)} not checked; the bootstrap said: {said!r}"
             raise SandboxUnavailable(f"the Python sandbox cannot isolate code on this machine: {why}. "
                                      f"To allow it: {_HOW_TO_ALLOW}")
         result = SandboxResult(

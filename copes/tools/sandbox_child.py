@@ -355,7 +355,8 @@ def _exec_user_code(config: dict, report: Report, workdir: str) -> NoReturn:
     limits = config["rlimits"]
     try:
         rlimits_ok = _set_rlimits(limits)
-        report.verdict("rlimits", rlimits_ok, f"cpu {limits['cpu_seconds']} s, address space {limits['memory_bytes'] >> 20} "
+        report.verdict("rlimits", rlimits_ok, f"cpu {limits['cpu_seconds']} s, address space "
+                                              f"{limits['memory_bytes'] >> 20} "
                                         f"MiB, open files {limits['open_files']}, file size "
                                         f"{limits['file_bytes'] >> 20} MiB, core 0 per process")
         try:

@@ -232,7 +232,8 @@ class HttpRetriever(_BatchRetriever):
             connection.request("POST", parts.path or "/", body=payload, headers={"Content-Type": "application/json"})
             response = connection.getresponse()
             body = response.read(self.max_response_bytes + 1)
-            if response.length and len(body) <= self.max_response_bytes:  # fewer bytes than Content-Length promised: the server hung up or was cut off
+            # Fewer bytes than Content-Length promised: the server hung up, or the deadline cut it off.
+            if response.length and len(body) <= self.max_response_bytes:
                 raise http.client.IncompleteRead(body, response.length)
         except (OSError, http.client.HTTPException, ValueError) as error:
             if time.monotonic() >= deadline:
