@@ -143,7 +143,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 
 
 @click.command(context_settings=COMMAND_SETTINGS)
-@config_options("model", "tools", "max_new_tokens", "device", "dtype", "data_dir", field_defaults=True)
+@config_options("model", "tools", "unsafe_sandbox", "max_new_tokens", "device", "dtype", "data_dir", field_defaults=True)
 @click.option("--task", "tasks", multiple=True, default=["arithmetic"], help="task to evaluate (repeatable)")
 @click.option("--split", default="test", help="split to evaluate")
 @click.option("--limit", type=int, help="first N questions only")
@@ -155,7 +155,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 @click.option("--seed", type=int, default=0, help="sampling seed")
 @user_errors
 def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | None, samples: int, temperature: float,
-                 ks: tuple[int, ...], tools: bool, max_new_tokens: int, batch_size: int, device: str, dtype: str,
+                 ks: tuple[int, ...], tools: bool, unsafe_sandbox: bool, max_new_tokens: int, batch_size: int, device: str, dtype: str,
                  data_dir: str | None, output: str | None, seed: int) -> None:
     """Evaluate a model: greedy accuracy, or pass@k with the unbiased estimator over several samples."""
     from copes.components import build_tools
@@ -174,7 +174,8 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
         examples = task.examples(split, limit=limit)
         limits = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
         agent = AgentConfig.for_task(task, **limits)
-        task_tools = build_tools(task, enabled=tools, corpus=None, retriever_url=None, timer=PhaseTimer(), corpus_dir=Path(tempfile.mkdtemp(prefix="copes-corpus-")))
+        task_tools = build_tools(task, enabled=tools, corpus=None, retriever_url=None, timer=PhaseTimer(), corpus_dir=Path(tempfile.mkdtemp(prefix="copes-corpus-")),
+                                 unsafe_sandbox=unsafe_sandbox)
         results[name] = evaluate(lm, tokenizer, task, examples, n_samples=samples, temperature=temperature, ks=ks,
                                  tools=task_tools, agent_config=agent, seed=seed)
     click.echo(format_table(results))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,14 +57,20 @@ class TimedTool:
 
 
 def build_tools(
-    task: Task, *, enabled: bool, corpus: str | None, retriever_url: str | None, timer: PhaseTimer, corpus_dir: Path
+    task: Task, *, enabled: bool, corpus: str | None, retriever_url: str | None, timer: PhaseTimer, corpus_dir: Path,
+    unsafe_sandbox: bool = False,
 ) -> list[TimedTool]:
-    """Python sandbox for every chat task; search too when a retriever or corpus is available."""
+    """Python sandbox for every chat task; search too when a retriever or corpus is available.
+
+    The sandbox is checked here, before any training: SandboxUnavailable (a ConfigError) names what this machine
+    lacks, unless `unsafe_sandbox` asks to run without it."""
     if not enabled or not task.chat:
         return []
-    from copes.tools import BM25Search, HttpRetriever, PythonTool, SearchTool
+    from copes.tools import BM25Search, HttpRetriever, PythonSandbox, PythonTool, SearchTool
 
-    tools: list[Any] = [PythonTool()]
+    python_tool = PythonTool(PythonSandbox(unsafe=unsafe_sandbox))
+    python_tool.sandbox.check()
+    tools: list[Any] = [python_tool]
     if retriever_url:
         tools.append(SearchTool(HttpRetriever(retriever_url)))
     elif corpus:
@@ -75,12 +82,12 @@ def build_tools(
     return [TimedTool(tool, timer) for tool in tools]
 
 
-def task_corpus(task: Task, folder: Path) -> Path | None:
-    """A BM25 corpus of every context paragraph the task's data carries (HotpotQA, 2Wiki); None when it carries
-    none (give --search-corpus or --retriever-url then)."""
+def task_corpus(task: Task, folder: Path, splits: Sequence[str] | None = None) -> Path | None:
+    """A BM25 corpus of every context paragraph the task's data carries (HotpotQA, 2Wiki), of `splits` only when
+    given; None when it carries none (give --search-corpus or --retriever-url then)."""
     from copes.tools import write_corpus
 
-    paragraphs = task.corpus_paragraphs()
+    paragraphs = task.corpus_paragraphs(splits)
     if not paragraphs:
         return None
     path = folder / f"{task.name}_corpus.jsonl"

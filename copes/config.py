@@ -60,6 +60,10 @@ class TrainConfig:
     tool_budgets: dict[str, int] = _opt({}, "calls allowed per tool per question, e.g. python=5 search=3 (default: the paper's for the task kind)")
     tool_format: str = _opt("auto", "tool-call format: qwen (<tool_call> JSON) | tags (<python>/<search>) | auto (from the chat template)", choices=TOOL_FORMATS)
     template_kwargs: dict[str, Any] = _opt({}, "extra chat-template variables, e.g. enable_thinking=false")
+    unsafe_sandbox: bool = _opt(False, "run the Python tool even where the sandbox cannot isolate model-written code "
+                                       "(no namespaces or cgroups here); a loud warning says what is missing")
+    max_observation_tokens: int = _opt(1024, "each tool result (program output, passages) is clipped to this many "
+                                             "tokens before it enters the model's context")
     search_corpus: str | None = _opt(None, "BM25 corpus jsonl for the search tool (default: built from the task's contexts)")
     retriever_url: str | None = _opt(None, "Search-R1 style retrieval server URL instead of local BM25")
     fitness: str | None = _opt(None, "reward standardisation (default: joint for copes/es/copes-lowrank, "
@@ -97,7 +101,7 @@ class TrainConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
         for name in ("population", "subspaces", "rank", "prompt_batch", "max_new_tokens", "max_turns", "chunk_size",
-                     "dist_check_every"):
+                     "dist_check_every", "max_observation_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.rollout_batch is not None and self.rollout_batch < 1:

@@ -77,10 +77,11 @@ class Trainer:
         self.model, self.tokenizer, self.device = load_model(cfg.model, device=device, dtype=cfg.dtype)
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
-        self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out)
+        self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out,
+                                 unsafe_sandbox=cfg.unsafe_sandbox)
         limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens,
                       greedy=True, batch_size=cfg.rollout_batch, tool_format=cfg.tool_format,
-                      template_kwargs=cfg.template_kwargs)
+                      template_kwargs=cfg.template_kwargs, max_observation_tokens=cfg.max_observation_tokens)
         self.agent = AgentConfig.for_task(self.task, **limits, **({"budgets": cfg.tool_budgets} if cfg.tool_budgets else {}))
         self.strategy = build_strategy(cfg, self.model)
         self.start_step, self.evals, self.eval_before = 0, [], None

@@ -14,7 +14,9 @@ from tiny_models import ScriptedPolicy, build_tiny_tokenizer
 from copes.rollout.agent import AgentConfig, Trajectory, run_agent
 from copes.rollout.generate import generate_batch, prompt_token_counts
 from copes.rollout.templates import render_prompt, tool_results_suffix
-from copes.tools import BM25Search, PythonTool, SearchTool, build_corpus_from_hotpotqa
+from copes.components import task_corpus
+from copes.tasks import get_task
+from copes.tools import BM25Search, PythonTool, SearchTool
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 QWEN_TURN_MARKER = "<tool_response>"
@@ -165,7 +167,8 @@ def test_context_limit_ends_rows_cleanly(tokenizer, tools):
     limit = max(prompt_lengths[1:]) + 60
     assert prompt_lengths[0] > limit
     policy, log = scripted(tokenizer, replies), RowLog()
-    config = AgentConfig(max_context_tokens=limit, max_new_tokens=512)
+    # An observation budget above the 1500 tokens of [big-output]'s result: this test is about the context limit.
+    config = AgentConfig(max_context_tokens=limit, max_new_tokens=512, max_observation_tokens=2000)
     long_prompt, big_output, long_reply, short = run_agent(
         policy, tokenizer, questions, tools=tools, config=config, row_context=log
     )
@@ -303,8 +306,7 @@ def hotpotqa_tools(tmp_path_factory) -> list:
     dev = DATA / "qa" / "hotpotqa_distractor_dev.jsonl"
     if not dev.exists():
         pytest.skip(f"shared data not found at {dev}")
-    corpus = tmp_path_factory.mktemp("hotpotqa") / "corpus.jsonl"
-    build_corpus_from_hotpotqa([dev], corpus)
+    corpus = task_corpus(get_task("hotpotqa", data_dir=DATA), tmp_path_factory.mktemp("hotpotqa"), ("validation",))
     return [PythonTool(), SearchTool(BM25Search(corpus))]
 
 

@@ -6,6 +6,7 @@ under EGGROLL, a real update every step, a measured allocation)."""
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import memory  # noqa: E402
 import memory_probe  # noqa: E402
 import models  # noqa: E402
 import sample_efficiency  # noqa: E402
+import sandbox_throughput  # noqa: E402
 import step_overhead  # noqa: E402
 import vs_naive  # noqa: E402
 
@@ -168,3 +170,11 @@ def test_each_script_runs_from_its_command_line_and_writes_its_csv(
     for name in outputs:
         assert (tmp_path / f"{name}_{label}.csv").stat().st_size > 0
     assert f"wrote {tmp_path}" in capsys.readouterr().out
+
+
+def test_sandbox_throughput_times_a_git_revision_against_this_checkout() -> None:
+    if subprocess.run(["git", "-C", str(BENCH_DIR), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: there is no revision to compare against")
+    rows = sandbox_throughput.measure("HEAD", runs_per_round=1, rounds=1)
+    assert [row["sandbox"] for row in rows] == ["HEAD", "this"]
+    assert rows[0]["ratio_vs_base"] == 1 and all(row["runs_per_s"] > 0 for row in rows)

@@ -5,6 +5,7 @@ Where this machine cannot enforce a protection, the attack test instead checks t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import resource
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -19,11 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from copes.tools import PythonSandbox, PythonTool, SandboxResult, tool_schema
+from copes.tools import PythonSandbox, PythonTool, SandboxResult, sandbox_child, tool_schema
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-PROTECTIONS = {"user", "network", "filesystem", "pid_namespace", "process_limit", "rlimits"}
+PROTECTIONS = {"user", "network", "filesystem", "pid_namespace", "process_limit", "rlimits", "ipc", "keyring",
+               "capabilities", "memory", "disk"}
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +115,20 @@ def test_code_holds_no_capabilities_and_cannot_regain_them(sandbox: PythonSandbo
     status = dict(line.split(":\t", 1) for line in result.stdout.splitlines() if ":\t" in line)
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
     assert status["NoNewPrivs"] == "1", "set-uid binaries must not grant privileges back"
+
+
+def test_the_child_bootstrap_imports_only_the_standard_library() -> None:
+    """It runs as `python -I -S`, before any isolation: no site-packages, no copes."""
+    probe = (
+        "import importlib.util, sys, sysconfig\n"
+        f"spec = importlib.util.spec_from_file_location('sandbox_child', {sandbox_child.__file__!r})\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        "stdlib = (sysconfig.get_paths()['stdlib'], sysconfig.get_paths()['platstdlib'])\n"
+        "print([name for name, module in sys.modules.items() if getattr(module, '__file__', None) and "
+        "not module.__file__.startswith(stdlib) and name != 'sandbox_child'])\n"
+    )
+    completed = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=60)
+    assert completed.stdout == "[]\n", completed.stderr
 
 
 def test_concurrent_runs_from_threads(sandbox: PythonSandbox) -> None:
@@ -247,7 +264,9 @@ def test_writes_outside_the_work_dir_are_refused(sandbox: PythonSandbox) -> None
         if not result.enforced("filesystem"):
             assert result.isolation["filesystem"].startswith(("no", "partial"))
             return
-        assert result.stdout.splitlines() == ["refused 30", "refused 30"]  # EROFS
+        # EROFS where the path exists in the read-only root, ENOENT where the allowlisted root does not hold it.
+        assert [line.split()[0] for line in result.stdout.splitlines()] == ["refused", "refused"]
+        assert {int(line.split()[1]) for line in result.stdout.splitlines()} <= {errno.EROFS, errno.ENOENT}
         assert not any(target.exists() for target in targets)
     finally:
         for target in targets:

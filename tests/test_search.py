@@ -13,17 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from copes.components import task_corpus
+from copes.tasks import get_task
+from copes.tasks.loading import DatasetError
 from copes.tools import (
     BM25Search,
     HttpRetriever,
     SearchError,
     SearchTool,
-    build_corpus_from_hotpotqa,
     load_corpus,
     tool_schema,
 )
 
-QA_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "qa"
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+QA_DATA = DATA / "qa"
 HOTPOT_DEV = QA_DATA / "hotpotqa_distractor_dev.jsonl"
 HOTPOT_TRAIN = QA_DATA / "hotpotqa_distractor_train.jsonl"
 pytestmark = pytest.mark.skipif(not HOTPOT_DEV.is_file(), reason=f"shared HotpotQA data not found under {QA_DATA}")
@@ -39,11 +42,22 @@ def _rows(path: Path, limit: int | None = None) -> list[dict]:
     return rows[:limit]
 
 
+def _hotpotqa_corpus(data_dir: Path, folder: Path, splits: tuple[str, ...]) -> Path:
+    """The corpus the trainer builds: every context paragraph of `splits`, read by the HotpotQA task loader."""
+    corpus = task_corpus(get_task("hotpotqa", data_dir=data_dir), folder, splits)
+    assert corpus is not None
+    return corpus
+
+
+def _data_dir_with(tmp_path: Path, file_name: str, text: str) -> Path:
+    (tmp_path / "qa").mkdir(parents=True)
+    (tmp_path / "qa" / file_name).write_text(text)
+    return tmp_path
+
+
 @pytest.fixture(scope="module")
 def corpus_path(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "hotpotqa.jsonl"
-    build_corpus_from_hotpotqa([HOTPOT_DEV, HOTPOT_TRAIN], path)
-    return path
+    return _hotpotqa_corpus(DATA, tmp_path_factory.mktemp("corpus"), ("validation", "train"))
 
 
 @pytest.fixture(scope="module")
@@ -81,20 +95,24 @@ def test_original_list_of_pairs_layout_gives_the_same_corpus(tmp_path: Path) -> 
         }
         for row in hub_rows
     ]
-    (tmp_path / "original.json").write_text(json.dumps(original_rows))  # the original release is a JSON array
-    (tmp_path / "hub.jsonl").write_text("".join(json.dumps(row) + "\n" for row in hub_rows))
-    count_original = build_corpus_from_hotpotqa([tmp_path / "original.json"], tmp_path / "a.jsonl")
-    count_hub = build_corpus_from_hotpotqa([tmp_path / "hub.jsonl", tmp_path / "hub.jsonl"], tmp_path / "b.jsonl")
-    assert count_original == count_hub > 150
-    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+    # The original release is one JSON array; the hub layout is jsonl with column dicts.
+    original = _data_dir_with(tmp_path / "original", "hotpot_dev_distractor_v1.json", json.dumps(original_rows))
+    hub = _data_dir_with(tmp_path / "hub", "hotpotqa_distractor_dev.jsonl",
+                         "".join(json.dumps(row) + "\n" for row in hub_rows * 2))
+    corpus_original = _hotpotqa_corpus(original, tmp_path / "a", ("validation",))
+    corpus_hub = _hotpotqa_corpus(hub, tmp_path / "b", ("validation",))
+    assert len(load_corpus(corpus_original)) == len(load_corpus(corpus_hub)) > 150
+    assert corpus_original.read_text() == corpus_hub.read_text()
 
 
 def test_corpus_builder_rejects_bad_input(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="paths"):
-        build_corpus_from_hotpotqa([], tmp_path / "out.jsonl")
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "q", "context": "not a context"}) + "\n")
-    with pytest.raises(ValueError, match="bad.jsonl row 1"):
-        build_corpus_from_hotpotqa([tmp_path / "bad.jsonl"], tmp_path / "out.jsonl")
+    bad_row = {"id": "x", "question": "q", "answer": "a", "context": "not a context"}
+    data_dir = _data_dir_with(tmp_path, "hotpotqa_distractor_dev.jsonl", json.dumps(bad_row) + "\n")
+    with pytest.raises(DatasetError, match="hotpotqa validation row 0: unrecognised context layout"):
+        get_task("hotpotqa", data_dir=data_dir).examples("validation")
+    (tmp_path / "corpus.jsonl").write_text('{"id": "0", "title": "no text"}\n')
+    with pytest.raises(ValueError, match="corpus.jsonl row 1: a passage is a JSON object"):
+        load_corpus(tmp_path / "corpus.jsonl")
 
 
 # ---------------------------------------------------------------- BM25
@@ -124,9 +142,11 @@ def test_bm25_results_are_scored_sorted_and_bounded(bm25: BM25Search) -> None:
 
 
 def test_bm25_top_k_larger_than_corpus(tmp_path: Path) -> None:
-    (tmp_path / "one.jsonl").write_text(json.dumps(_rows(HOTPOT_DEV, limit=1)[0]) + "\n")
-    size = build_corpus_from_hotpotqa([tmp_path / "one.jsonl"], tmp_path / "corpus.jsonl")
-    results = BM25Search(tmp_path / "corpus.jsonl").search("album band debut performance", top_k=50)
+    one_row = json.dumps(_rows(HOTPOT_DEV, limit=1)[0]) + "\n"
+    data_dir = _data_dir_with(tmp_path, "hotpotqa_distractor_dev.jsonl", one_row)
+    corpus = _hotpotqa_corpus(data_dir, tmp_path / "corpus", ("validation",))
+    size = len(load_corpus(corpus))
+    results = BM25Search(corpus).search("album band debut performance", top_k=50)
     assert 0 < len(results) <= size == 10
 
 

@@ -8,44 +8,56 @@ the paper, most specific first:
 3. otherwise the whole output, stripped.
 
 A tag or box that is opened but never closed (a truncated generation) does not count as complete.
+
+Pass only text the model generated (`Trajectory.final_text`, or `Trajectory.model_text`), never a transcript with
+tool results in it: a tool the policy controls can print any `\\boxed{}` it likes.
 """
 
 from __future__ import annotations
 
 import re
 
-# Non-greedy so that each <answer> pairs with its own closing tag; DOTALL because answers span lines.
-_ANSWER_SPAN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 # `\fbox` is what some models (and a few AIME solutions) write instead of `\boxed`.
 _BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
+# Everything here runs on policy output, which can be hostile (thousands of unclosed tags or boxes): each
+# function is one left-to-right pass, never a rescan from every opening.
+
 
 def answer_span(text: str) -> str | None:
-    """The content of the last complete `<answer>...</answer>` in `text`, or None when there is none."""
-    spans = _ANSWER_SPAN.findall(text)
-    return spans[-1] if spans else None
+    """The content of the last complete `<answer>...</answer>` in `text`, or None when there is none.
+
+    Each `<answer>` pairs with the first `</answer>` after it; the scan resumes after that closing tag."""
+    span = None
+    position = 0
+    while (start := text.find(ANSWER_OPEN, position)) != -1:
+        end = text.find(ANSWER_CLOSE, start + len(ANSWER_OPEN))
+        if end == -1:
+            break  # no later opening can close either
+        span = text[start + len(ANSWER_OPEN) : end]
+        position = end + len(ANSWER_CLOSE)
+    return span
 
 
-def _closing_brace(text: str, open_index: int) -> int | None:
-    """Index of the brace closing the `{` at `open_index`, or None when it never closes.
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of every `{` that closes -> index of its `}`, in one pass.
 
-    `\\{` and `\\}` are literal braces in LaTeX (set notation), so they do not change the depth.
-    """
-    depth = 0
-    index = open_index
+    `\\{` and `\\}` are literal braces in LaTeX (set notation), so a backslash skips the next character."""
+    closing: dict[int, int] = {}
+    open_braces: list[int] = []
+    index = 0
     while index < len(text):
         char = text[index]
         if char == "\\":
-            index += 2  # skip the escaped character, whatever it is
+            index += 2
             continue
         if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return index
+            open_braces.append(index)
+        elif char == "}" and open_braces:
+            closing[open_braces.pop()] = index
         index += 1
-    return None
+    return closing
 
 
 def last_boxed(text: str) -> str | None:
@@ -54,17 +66,18 @@ def last_boxed(text: str) -> str | None:
     Braces are balanced, so `\\boxed{\\frac{1}{2}}` gives `\\frac{1}{2}`. Boxes nested inside a box belong to
     the outer one's content; an unclosed box is ignored, so a complete box before or after it is used.
     """
+    if "box" not in text:
+        return None
+    closing = _closing_braces(text)
     found: str | None = None
-    search_from = 0
-    while (match := _BOX_OPENING.search(text, search_from)) is not None:
+    skip_until = 0  # the end of the last complete box: boxes inside it are part of its content
+    for match in _BOX_OPENING.finditer(text):
         open_index = match.end() - 1
-        close_index = _closing_brace(text, open_index)
-        if close_index is None:
-            # Unclosed (a truncated or mistyped box): skip just this opening, complete boxes may follow.
-            search_from = match.end()
+        close_index = closing.get(open_index)
+        if match.start() < skip_until or close_index is None:
             continue
         found = text[open_index + 1 : close_index].strip()
-        search_from = close_index + 1
+        skip_until = close_index + 1
     return found
 
 

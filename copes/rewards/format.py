@@ -10,6 +10,8 @@ Format term (QA): QA answers are free text and are never boxed, so only the answ
 
 Tool bonus: +0.1 when the answer is correct and the rollout called a tool, to encourage tool use that pays off
 without rewarding tool calls on their own.
+
+Like extraction, the format term reads only model-generated text, never tool results (see `copes.rewards.extract`).
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ Per turn:
    A row that stopped on EOS or its token limit is finished.
 
 Everything is text: the context of a row is its prompt plus its completion so far, re-tokenized each turn.
+So tool output is untrusted text: every observation has its chat-markup strings neutralized (a printed
+`<|im_end|><|im_start|>user` stays plain text, never special tokens) and is clipped to `max_observation_tokens`;
+`Trajectory.model_spans` says which parts of the completion the model generated, the only parts rewards read.
 Nothing here raises on model output; limits end rows, they never end the run.
 """
 
@@ -19,7 +22,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +31,7 @@ from copes.rollout.generate import Generation, generate_batch, prompt_token_coun
 from copes.rollout.templates import (
     TOOL_FORMATS,
     ParsedCall,
+    observation_text,
     parse_tool_calls,
     render_prompt_in_format,
     resolve_tool_format,
@@ -67,12 +71,15 @@ class AgentConfig:
         default=None, metadata={"help": "rows per generate call (and per row_context); None: all active rows"}
     )
     tool_workers: int = field(default=8, metadata={"help": "threads running one turn's tool calls concurrently"})
+    max_observation_tokens: int = field(
+        default=1024, metadata={"help": "each tool result is clipped to this many tokens before it enters the context"}
+    )
     template_kwargs: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "extra chat-template variables, e.g. {enable_thinking: false}"}
     )
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_new_tokens", "max_context_tokens", "tool_workers"):
+        for name in ("max_turns", "max_new_tokens", "max_context_tokens", "tool_workers", "max_observation_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size is not None and self.batch_size < 1:
@@ -120,6 +127,8 @@ class Trajectory:
 
     `finished_by`: "eos" (the model ended), "length" (a turn hit max_new_tokens), "context" (max_context_tokens
     reached; `truncated` is True) or "max_turns" (still calling tools when the turns ran out).
+    `model_spans`: (start, end) offsets into `completion` of each turn the model generated; everything between
+    them is tool results and template glue, which answer extraction and rewards must never read.
     """
 
     prompt: str
@@ -130,6 +139,7 @@ class Trajectory:
     generated_tokens: int = 0
     truncated: bool = False
     finished_by: str | None = None  # None while the row is still active
+    model_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def used_tool(self) -> bool:
@@ -138,6 +148,11 @@ class Trajectory:
     @property
     def context(self) -> str:
         return self.prompt + self.completion
+
+    @property
+    def model_text(self) -> str:
+        """Only what the model generated, every turn, in order (no tool results, no template text)."""
+        return "".join(self.completion[start:end] for start, end in self.model_spans)
 
 
 def _call_tool(tool: Tool, arguments: dict[str, Any]) -> str:
@@ -282,7 +297,9 @@ def run_agent(
             trajectory.num_turns += 1
             trajectory.generated_tokens += generation.num_tokens
             trajectory.final_text = generation.text
+            start = len(trajectory.completion)
             trajectory.completion += generation.text
+            trajectory.model_spans.append((start, len(trajectory.completion)))
             if generation.finished_by == "eos":
                 trajectory.finished_by = "eos"
             elif generation.finished_by == "length":
@@ -293,6 +310,12 @@ def run_agent(
         records = _run_calls(parsed, tools_by_name, config, [calls_made[index] for index in calling])
         for index, row_records in zip(calling, records):
             trajectory = trajectories[index]
+            # The record keeps the observation exactly as the model was shown it.
+            budget = config.max_observation_tokens
+            row_records = [
+                replace(record, observation=observation_text(tokenizer, record.observation, budget))
+                for record in row_records
+            ]
             trajectory.tool_calls += row_records
             observations = [record.observation for record in row_records]
             trajectory.completion += (

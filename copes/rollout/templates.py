@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,11 @@ _ASSISTANT_MARKER = "COPES_ASSISTANT_MARKER"
 _OBSERVATION_MARKER = "COPES_OBSERVATION_MARKER"
 
 Message = Mapping[str, Any]
+
+# Inserted after the first character of every markup string found in untrusted text: invisible when read, but the
+# tokenizer no longer matches the string, so it stays plain text instead of becoming a special token.
+_MARKUP_BREAK = "\u200b"
+_MARKUP_PATTERNS: weakref.WeakKeyDictionary[Any, tuple[int, re.Pattern[str] | None]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,53 @@ def tool_results_suffix(
     return rendered.split(_ASSISTANT_MARKER, 1)[1]
 
 
+def _markup_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+    """One alternation of every string the tokenizer turns into an added token (special or not: `<|im_end|>` as
+    much as `</tool_response>`), plus the tag format's result tags; longest first, so overlaps break the longer."""
+    cached = _MARKUP_PATTERNS.get(tokenizer)
+    if cached is not None and cached[0] == len(tokenizer):  # the vocabulary grows when tokens are added
+        return cached[1]
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    strings = {token.content for token in added.values()} | set(getattr(tokenizer, "all_special_tokens", []))
+    strings |= {RESULT_OPEN, RESULT_CLOSE}
+    strings = sorted((string for string in strings if len(string) > 1), key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, strings))) if strings else None
+    _MARKUP_PATTERNS[tokenizer] = (len(tokenizer), pattern)
+    return pattern
+
+
+def neutralize_markup(tokenizer: Any, text: str) -> str:
+    """`text` with every chat-markup string broken (see `_MARKUP_BREAK`), so a tool that prints
+    `<|im_end|><|im_start|>user` cannot forge a turn when the transcript is tokenized again."""
+    pattern = _markup_pattern(tokenizer)
+    if pattern is None:
+        return text
+    return pattern.sub(lambda match: match[0][0] + _MARKUP_BREAK + match[0][1:], text)
+
+
+def observation_text(tokenizer: Any, text: str, max_tokens: int) -> str:
+    """Untrusted tool output as it enters the context: markup neutralized, clipped to `max_tokens` tokens
+    (keeping both ends: a program's first lines say what it did, its last lines hold the result)."""
+    # Only a bounded prefix and suffix are ever tokenized, so a 20 MB passage costs what a short one does.
+    window = 16 * max_tokens
+    clipped_chars = len(text) > 2 * window
+    if clipped_chars:
+        text = text[:window] + text[-window:]
+    ids = tokenizer.encode(neutralize_markup(tokenizer, text), add_special_tokens=False)
+    if len(ids) <= max_tokens and not clipped_chars:
+        return tokenizer.decode(ids)
+    note = f"\n... [{'some' if clipped_chars else len(ids) - max_tokens} tokens omitted] ...\n"
+    half = (max_tokens - len(tokenizer.encode(note, add_special_tokens=False))) // 2
+    while half > 0:
+        # Decoding a slice and encoding it again can merge differently; shrink until the whole fits.
+        clipped = tokenizer.decode(ids[:half]) + note + tokenizer.decode(ids[-half:])
+        excess = len(tokenizer.encode(clipped, add_special_tokens=False)) - max_tokens
+        if excess <= 0:
+            return clipped
+        half -= excess
+    return tokenizer.decode(ids[:max_tokens])  # a budget too small for the note
+
+
 def tag_results_suffix(observations: Sequence[str]) -> str:
     return "".join(f"\n{RESULT_OPEN}\n{observation}\n{RESULT_CLOSE}\n" for observation in observations)
 
@@ -234,8 +287,29 @@ def _coerce(value: str, schema: Mapping[str, Any]) -> Any:
     return value
 
 
-_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
-_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>")
+_XML_FUNCTION_CLOSE = "</function>"
+_XML_PARAMETER_OPEN, _XML_PARAMETER_CLOSE = "<parameter=", "</parameter>"
+
+
+def _xml_parameters(text: str) -> list[tuple[str, str]]:
+    """(name, value) of every `<parameter=name>value</parameter>`, left to right, in linear time: a plain scan
+    with str.find, because a regex retries from every unclosed `<parameter=` (quadratic on hostile output)."""
+    found = []
+    position = 0
+    while (start := text.find(_XML_PARAMETER_OPEN, position)) != -1:
+        name_start = start + len(_XML_PARAMETER_OPEN)
+        name_end = text.find(">", name_start)
+        newline = text.find("\n", name_start, name_end) if name_end != -1 else -1
+        if name_end in (-1, name_start) or newline != -1:
+            position = name_start  # not a parameter tag; the next one may be
+            continue
+        close = text.find(_XML_PARAMETER_CLOSE, name_end + 1)
+        if close == -1:
+            break  # no parameter after this one can close either
+        found.append((text[name_start:name_end], text[name_end + 1 : close]))
+        position = close + len(_XML_PARAMETER_CLOSE)
+    return found
 
 
 def _parse_qwen_body(body: str, tools: Mapping[str, Tool]) -> ParsedCall:
@@ -246,9 +320,11 @@ def _parse_qwen_body(body: str, tools: Mapping[str, Tool]) -> ParsedCall:
         if name not in tools:
             return _unknown_tool(name, tools)
         properties = tools[name].parameters.get("properties") or {}
+        function_end = body.find(_XML_FUNCTION_CLOSE, match.end())
+        function_body = body[match.end() : None if function_end == -1 else function_end]
         arguments = {
             key.strip(): _coerce(value.strip("\n"), properties.get(key.strip(), {}))
-            for key, value in _XML_PARAMETER.findall(match.group(2))
+            for key, value in _xml_parameters(function_body)
         }
         return _check_required(name, arguments, tools[name])
     payload, error = _load_json(body)

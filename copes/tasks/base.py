@@ -55,9 +55,9 @@ class Task(Protocol):
         """`score` for many rollouts at once (the math tasks verify a whole batch on all workers in parallel)."""
         ...
 
-    def corpus_paragraphs(self) -> list[tuple[str, str]]:
-        """(title, text) of every context paragraph the task's data carries, for a local search corpus (QA);
-        empty when it carries none."""
+    def corpus_paragraphs(self, splits: Sequence[str] | None = None) -> list[tuple[str, str]]:
+        """(title, text) of every context paragraph the task's data carries (of `splits` only, when given), for a
+        local search corpus (QA); empty when it carries none."""
         ...
 
 
@@ -74,7 +74,7 @@ class TaskBase(ABC):
         used = batch_used_tools(completions, examples, used_tools)
         return [self.score(c, e, used_tool=u) for c, e, u in zip(completions, examples, used)]
 
-    def corpus_paragraphs(self) -> list[tuple[str, str]]:
+    def corpus_paragraphs(self, splits: Sequence[str] | None = None) -> list[tuple[str, str]]:
         return []
 
 

@@ -67,10 +67,11 @@ class QATask(DatasetTask):
         correct = value >= 1.0
         return Score(reward=self._shaped_reward(value, completion, correct, used_tool), correct=correct, answer=answer)
 
-    def corpus_paragraphs(self) -> list[tuple[str, str]]:
-        """Every context paragraph of every split whose data can be read, split by split in file order."""
+    def corpus_paragraphs(self, splits: Sequence[str] | None = None) -> list[tuple[str, str]]:
+        """Every context paragraph of every split (of `splits`, when given) whose data can be read, split by split
+        in file order."""
         paragraphs = []
-        for split in self.splits:
+        for split in self.splits if splits is None else splits:
             try:
                 examples = self.examples(split)
             except DatasetError:  # a split with no local file and no hub copy

@@ -2,14 +2,13 @@
 `Tool` wrappers the multi-turn rollout loop calls."""
 
 from copes.tools.agent_tools import PythonTool, SearchTool, Tool, tool_schema
-from copes.tools.sandbox import PythonSandbox, SandboxResult
+from copes.tools.sandbox import PythonSandbox, SandboxResult, SandboxUnavailable
 from copes.tools.search import (
     BM25Search,
     HttpRetriever,
     Passage,
     Retriever,
     SearchError,
-    build_corpus_from_hotpotqa,
     write_corpus,
     load_corpus,
 )
@@ -22,10 +21,10 @@ __all__ = [
     "PythonTool",
     "Retriever",
     "SandboxResult",
+    "SandboxUnavailable",
     "SearchError",
     "SearchTool",
     "Tool",
-    "build_corpus_from_hotpotqa",
     "write_corpus",
     "load_corpus",
     "tool_schema",

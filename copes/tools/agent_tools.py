@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 from typing import Any, Protocol
 
-from copes.tools.sandbox import PythonSandbox, SandboxResult
+from copes.tools.sandbox import PythonSandbox, SandboxResult, SandboxUnavailable
 from copes.tools.search import BM25Search, HttpRetriever, SearchError
 
 
@@ -87,6 +87,8 @@ class PythonTool:
     def call(self, arguments: dict) -> str:
         try:
             result = self.sandbox.run(_string_argument(arguments, "code"))
+        except SandboxUnavailable as error:  # checked at start-up; this is the machine changing under a run
+            return f"Error: the sandbox refused to run the code: {error}"
         except ValueError as error:
             return f"Error: {error}"
         except OSError as error:  # the host could not start a process (out of pids, disk full...)
@@ -123,11 +125,16 @@ class SearchTool:
         "required": ["query"],
     }
 
-    def __init__(self, retriever: BM25Search | HttpRetriever, top_k: int = 3) -> None:
+    def __init__(
+        self, retriever: BM25Search | HttpRetriever, top_k: int = 3, max_observation_chars: int = 6000
+    ) -> None:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+        if max_observation_chars < 100:
+            raise ValueError(f"max_observation_chars must be >= 100, got {max_observation_chars!r}")
         self.retriever = retriever
         self.top_k = top_k
+        self.max_observation_chars = max_observation_chars
 
     def call(self, arguments: dict) -> str:
         try:
@@ -139,5 +146,9 @@ class SearchTool:
             return f"Search error: {error}"
         if not passages:
             return f"No results for: {query}"
-        # Search-R1's observation format, which the reference prompts and papers use.
-        return "\n".join(f"Doc {i} (Title: {p.title}) {p.text}" for i, p in enumerate(passages, 1))
+        # Search-R1's observation format, which the reference prompts and papers use; each passage gets an equal
+        # share of the budget, so one huge passage cannot push the others out.
+        share = self.max_observation_chars // len(passages)
+        return "\n".join(
+            _clip_middle(f"Doc {i} (Title: {p.title}) {p.text}", share) for i, p in enumerate(passages, 1)
+        )

@@ -1,92 +1,74 @@
-"""A real Python sandbox for the agent's code tool.
+"""A real Python sandbox for the agent's code tool, built for code written by a policy that is rewarded for
+right answers and so learns to look for them.
 
-`PythonSandbox.run(code)` executes untrusted code in a fresh interpreter wrapped in every protection this
-machine lets us enforce, and reports which ones were in force (`SandboxResult.isolation`), never pretending:
+`PythonSandbox.run(code)` starts `sandbox_child.py` (standard library only, `python -I -S`) in a new session
+with a scrubbed environment; the child puts every layer in place and checks it from inside (see its docstring):
+a whole-run cgroup (memory, pids), a fresh per-run uid (as root) inside its own user namespace, private network,
+mount, IPC and pid namespaces, a fresh session keyring, a fresh read-only tmpfs root with only the
+interpreter, its libraries and site-packages, a size-limited work dir, rlimits, no capabilities, no_new_privs.
 
-    caller --Popen--> bootstrap  (this file run as a script: new session, scrubbed env, stdin closed, pipes)
-                        unshare(NET | NS | PID): private network (no interface up), mount table, pid numbering
-                        fork --> init  (pid 1 of the new pid namespace)
-                                   every mount read-only except the private work dir; a fresh /proc
-                                   fork --> user code: rlimits, drop to a per-run uid, exec python main.py
+Fail closed: unless every layer is verified, the run stops before the code starts and `run` raises
+`SandboxUnavailable` naming what is missing. `PythonSandbox(unsafe=True)` runs with whatever this machine
+allows instead, and logs one loud warning per process. `SandboxResult.isolation` holds what the child verified.
 
 Why a bootstrap script and not `preexec_fn`: preexec_fn is unsafe when the caller runs threads (the agent loop
-calls tools from threads), and namespaces must be entered while still privileged, whereas `Popen(user=...)`
-drops privileges before preexec_fn runs.
-Why a pid namespace: when its pid 1 dies the kernel kills every process in it, so ending the run (SIGKILL to that
-pid 1) also ends children that called setsid() to leave the process group (fork bombs, daemons).
-Why a fresh uid per run rather than `nobody`: RLIMIT_NPROC counts processes per real uid, so a uid of its own
-makes `max_processes` bound this run alone, and concurrent runs cannot signal or read one another.
-A caller that cannot switch uid (not root, or root of a rootless container) gets the namespaces through a user
-namespace when the kernel allows one, mapped to a non-zero uid so the exec drops every capability; RLIMIT_NPROC
-is then shared with the caller's own processes (said in `isolation`). The code always runs with no_new_privs.
+calls tools from threads). Why a pid namespace: when its pid 1 dies the kernel kills every process in it, so
+ending the run also ends children that left the process group (fork bombs, daemons).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
-import re
-import resource
 import secrets
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
+import sysconfig
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+
+from copes.config import ConfigError
+from copes.tools import sandbox_child
+from copes.tools.cgroups import RunCgroup
 
 logger = logging.getLogger(__name__)
 
-# Flags from <sched.h> and <sys/mount.h>; Python 3.11 has no os.unshare and no mount wrapper.
-CLONE_NEWNS = 0x00020000
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWPID = 0x20000000
-CLONE_NEWNET = 0x40000000
-MS_RDONLY = 0x1
-MS_REMOUNT = 0x20
-MS_BIND = 0x1000
-MS_REC = 0x4000
-MS_PRIVATE = 0x40000
-PR_SET_NO_NEW_PRIVS = 38
-# Per-mount flags a read-only remount must carry over: dropping them is refused inside a user namespace
-# (they are "locked") and would silently loosen nosuid/nodev/noexec elsewhere.
-_PRESERVED_MOUNT_FLAGS = {
-    "nosuid": 0x2,
-    "nodev": 0x4,
-    "noexec": 0x8,
-    "noatime": 0x400,
-    "nodiratime": 0x800,
-    "relatime": 0x200000,
-    "strictatime": 0x1000000,
-}
-_PROC_MOUNT_FLAGS = 0x2 | 0x4 | 0x8  # nosuid, nodev, noexec
-
+CHILD_SCRIPT = sandbox_child.__file__
+# Every protection the child verifies; strict mode needs all of them.
+PROTECTIONS = ("user", "network", "filesystem", "pid_namespace", "ipc", "keyring", "capabilities", "memory",
+               "process_limit", "disk", "rlimits")
 # Per-run uids come from a range no distribution allocates, so a collision with a real account is implausible.
 _SANDBOX_UIDS = range(1_000_000_000, 2_000_000_000)
-# The id a root caller that cannot switch uid (rootless container) is mapped to in its user namespace.
-_NOBODY = 65534
+# System library directories the interpreter and compiled extensions load from (never data).
+_LIBRARY_PATHS = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache")
 _READ_CHUNK_BYTES = 64 << 10
-# Exit codes of the bootstrap itself, distinct from anything the user's interpreter returns for normal errors.
-_EXIT_SETUP_FAILED = 125
-_EXIT_EXEC_FAILED = 127
+# The bootstrap and init processes of a run count against its pids limit too.
+_RUN_OWN_PROCESSES = 2
 # How long the bootstrap may take to tear the run down after SIGTERM before its whole group gets SIGKILL.
 _STOP_GRACE_S = 5.0
+_HOW_TO_ALLOW = (
+    "the sandbox needs user namespaces (sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1; "
+    "in Docker a seccomp profile that allows unshare) and writable cgroup memory and pids controllers "
+    "(run as root, or delegate a cgroup v2 subtree to this user); or pass --unsafe-sandbox "
+    "(config unsafe_sandbox: true) to run model-written code without these protections"
+)
 _gaps_already_logged: set[tuple[str, ...]] = set()
+
+
+class SandboxUnavailable(ConfigError):
+    """The sandbox cannot isolate code on this machine; the message names what is missing and how to allow it."""
 
 
 @dataclass(frozen=True)
 class SandboxResult:
     """What one run produced. `exit_status` follows subprocess: negative means killed by that signal.
 
-    `isolation` maps each protection ("user", "network", "filesystem", "pid_namespace", "process_limit",
-    "rlimits") to a sentence that starts with "yes", or with "no"/"partial" followed by the reason.
+    `isolation` maps each protection in PROTECTIONS to what the child verified: a sentence that starts with
+    "yes", or with "no" followed by the reason (only ever seen in unsafe mode).
     """
 
     stdout: str
@@ -101,7 +83,11 @@ class SandboxResult:
 
 
 class PythonSandbox:
-    """Runs untrusted Python code; see the module docstring for the layers. Thread-safe: one process per run."""
+    """Runs untrusted Python code; see the module docstring for the layers. Thread-safe: one process per run.
+
+    `memory_bytes` bounds the whole run (every process together) and each process's address space;
+    `max_processes` the processes of the whole run; `max_disk_bytes` / `max_files` its work dir.
+    """
 
     def __init__(
         self,
@@ -112,7 +98,10 @@ class PythonSandbox:
         max_open_files: int = 64,
         max_file_bytes: int = 16 << 20,
         max_output_bytes: int = 64 << 10,
+        max_disk_bytes: int = 64 << 20,
+        max_files: int = 4096,
         python: str = sys.executable,
+        unsafe: bool = False,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -123,6 +112,8 @@ class PythonSandbox:
             "max_open_files": max_open_files,
             "max_file_bytes": max_file_bytes,
             "max_output_bytes": max_output_bytes,
+            "max_disk_bytes": max_disk_bytes,
+            "max_files": max_files,
         }
         for name, value in positive_ints.items():
             if not isinstance(value, int) or value <= 0:
@@ -136,51 +127,74 @@ class PythonSandbox:
         self.max_open_files = max_open_files
         self.max_file_bytes = max_file_bytes
         self.max_output_bytes = max_output_bytes
+        self.max_disk_bytes = max_disk_bytes
+        self.max_files = max_files
         self.python = os.path.abspath(python)
+        self.unsafe = unsafe
+
+    def check(self) -> SandboxResult:
+        """Run a trivial program; raises SandboxUnavailable (strict mode) when the machine cannot isolate it.
+        The trainer calls this at start-up so a run that uses the Python tool fails before training starts."""
+        result = self.run("print('ok')")
+        if result.stdout != "ok\n":
+            raise SandboxUnavailable(f"the sandbox could not run a trivial program: {result.stderr.strip()[-300:]}")
+        return result
 
     def run(self, code: str) -> SandboxResult:
         if not isinstance(code, str):
             raise ValueError(f"code must be a str, got {type(code).__name__}")
-        workdir = Path(tempfile.mkdtemp(prefix="copes_sandbox_")).resolve()
+        cgroup = RunCgroup.create(self.memory_bytes, self.max_processes + _RUN_OWN_PROCESSES)
         try:
-            # surrogatepass keeps odd model output byte-faithful; the interpreter then reports it as a SyntaxError.
-            (workdir / "main.py").write_bytes(code.encode("utf-8", errors="surrogatepass"))
-            sandbox_uid = _pick_sandbox_uid()
-            if sandbox_uid is not None:
-                os.chown(workdir, sandbox_uid, sandbox_uid)
-                os.chown(workdir / "main.py", sandbox_uid, sandbox_uid)
-            result = self._execute(workdir, sandbox_uid)
+            result, host_workdir = self._execute(code, cgroup)
         finally:
-            _remove_tree(workdir)
+            if isinstance(cgroup, RunCgroup):
+                cgroup.remove()
+        if host_workdir is not None:
+            remove_tree(host_workdir)
         _log_gaps_once(result.isolation)
         return result
 
-    def _execute(self, workdir: Path, sandbox_uid: int | None) -> SandboxResult:
+    def _execute(self, code: str, cgroup: RunCgroup | str) -> tuple[SandboxResult, str | None]:
         report_read, report_write = os.pipe()
+        # surrogatepass keeps odd model output byte-faithful; the interpreter then reports it as a SyntaxError.
+        code_bytes = code.encode("utf-8", errors="surrogatepass")
+        code_fd = os.memfd_create("copes-sandbox-code", 0)
+        os.write(code_fd, code_bytes)
         config = {
-            "workdir": str(workdir),
+            "unsafe": self.unsafe,
             "python": self.python,
-            "uid": sandbox_uid,
+            "run_uid": _pick_sandbox_uid(),
             "report_fd": report_write,
-            "rlimits": self._rlimits(sandbox_uid),
-            "interpreter_paths": self._interpreter_paths(),
+            "code_fd": code_fd,
+            "code_bytes": len(code_bytes),
+            "cgroup": None if isinstance(cgroup, str) else {
+                "procs_files": cgroup.procs_files, "memory": cgroup.memory, "pids": cgroup.pids},
+            "cgroup_unavailable": cgroup if isinstance(cgroup, str) else None,
+            "caller_namespaces": sandbox_child.namespace_ids(),
+            "caller_keyring": sandbox_child.session_keyring_id(),
+            "disk_bytes": self.max_disk_bytes,
+            "max_files": self.max_files,
+            "rlimits": self._rlimits(),
+            "environment": self._environment(),
+            **_root_layout(self.python),
         }
         try:
             process = subprocess.Popen(
-                [self.python, "-I", "-S", os.path.abspath(__file__), json.dumps(config)],
-                cwd=workdir,
-                env=self._environment(workdir),
+                [self.python, "-I", "-S", CHILD_SCRIPT, json.dumps(config)],
+                cwd="/",
+                env=self._environment(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
-                pass_fds=(report_write,),
+                pass_fds=(report_write, code_fd),
             )
         except BaseException:
             os.close(report_read)
             raise
         finally:
             os.close(report_write)
+            os.close(code_fd)
         with os.fdopen(report_read, "rb") as report_pipe:
             try:
                 stdout, stderr, timed_out, truncated = self._collect_output(process)
@@ -189,17 +203,27 @@ class PythonSandbox:
                 process.stdout.close()
                 process.stderr.close()
             report = _parse_report(report_pipe.read())
-        if not report.get("isolation", {}).get("pid_namespace", "no").startswith("yes"):
+        if not report["isolation"].get("pid_namespace", "no").startswith("yes"):
             _kill_group(process)  # without a pid namespace, children may still run in the bootstrap's group
-        exit_status = report.get("exit_status", process.returncode)
-        return SandboxResult(
+        isolation = report["isolation"]
+        missing = [name for name in PROTECTIONS if not isolation.get(name, "no").startswith("yes")]
+        if missing and not self.unsafe:
+            refused = [name for name in missing if name in isolation]
+            why = "; ".join(f"{name} ({isolation[name]})" for name in refused)
+            if not refused:  # the bootstrap itself failed: its traceback says why
+                said = stderr.decode(errors="replace").strip()[-300:]
+                why = f"{', '.join(missing)} not checked; the bootstrap said: {said!r}"
+            raise SandboxUnavailable(f"the Python sandbox cannot isolate code on this machine: {why}. "
+                                     f"To allow it: {_HOW_TO_ALLOW}")
+        result = SandboxResult(
             stdout=stdout.decode("utf-8", errors="replace"),
             stderr=stderr.decode("utf-8", errors="replace"),
-            exit_status=exit_status,
+            exit_status=report.get("exit_status", process.returncode),
             timed_out=timed_out,
             output_truncated=truncated,
-            isolation=report.get("isolation", {"bootstrap": "no: the sandbox bootstrap reported nothing"}),
+            isolation=report["isolation"] or {"bootstrap": "no: the sandbox bootstrap reported nothing"},
         )
+        return result, report.get("host_workdir")
 
     def _collect_output(self, process: subprocess.Popen) -> tuple[bytes, bytes, bool, bool]:
         """Read both pipes in chunks until EOF, the wall-clock deadline, or the output cap, whichever is first."""
@@ -232,34 +256,19 @@ class PythonSandbox:
         stdout, stderr = buffers.values()
         return bytes(stdout), bytes(stderr), timed_out, truncated
 
-    def _rlimits(self, sandbox_uid: int | None) -> dict[str, int]:
-        if sandbox_uid is not None:
-            process_limit = self.max_processes
-        else:
-            # Same uid as the caller: the count includes the caller's processes, so allow them on top.
-            process_limit = _count_processes_of_uid(os.getuid()) + self.max_processes
+    def _rlimits(self) -> dict[str, int]:
         return {
             "cpu_seconds": self.cpu_seconds,
             "memory_bytes": self.memory_bytes,
-            "processes": process_limit,
+            # Counted per uid inside the run's own user namespace; the pids cgroup is the whole-run limit.
+            "processes": self.max_processes + _RUN_OWN_PROCESSES,
             "open_files": self.max_open_files,
             "file_bytes": self.max_file_bytes,
         }
 
-    def _interpreter_paths(self) -> list[str]:
-        """Where the sandboxed interpreter reads from: its install prefix, and for our own interpreter also the
-        import path (site-packages, editable installs such as this package)."""
-        interpreter = os.path.realpath(self.python)
-        paths = {interpreter, os.path.dirname(os.path.dirname(interpreter))}
-        if interpreter == os.path.realpath(sys.executable):
-            paths.update([sys.prefix, sys.base_prefix, *(entry for entry in sys.path if os.path.isabs(entry))])
-        return sorted(path for path in paths if os.path.exists(path))
-
-    def _environment(self, workdir: Path) -> dict[str, str]:
+    def _environment(self) -> dict[str, str]:
         return {
             "PATH": f"{os.path.dirname(self.python)}:/usr/local/bin:/usr/bin:/bin",
-            "HOME": str(workdir),
-            "TMPDIR": str(workdir),
             "USER": "sandbox",
             "LOGNAME": "sandbox",
             "LANG": "C.UTF-8",
@@ -267,12 +276,32 @@ class PythonSandbox:
             # Unbuffered, so what the code printed before a timeout kill still reaches the caller.
             "PYTHONUNBUFFERED": "1",
             "PYTHONIOENCODING": "utf-8",
-            # One BLAS/OpenMP thread: thread pools reserve address space and count against RLIMIT_NPROC.
+            # One BLAS/OpenMP thread: thread pools reserve address space and count against the process limit.
             "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
             "MPLBACKEND": "Agg",
         }
+
+
+def _root_layout(python: str) -> dict:
+    """What the child's fresh root holds: read-only binds of the interpreter's install, its virtualenv and
+    site-packages, the system libraries; the host's top-level symlinks (/lib -> usr/lib); nothing else."""
+    interpreter = os.path.realpath(python)
+    paths = {os.path.dirname(os.path.dirname(interpreter)), sys.base_prefix, sys.prefix}
+    if interpreter == os.path.realpath(sys.executable):
+        paths.update(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib"))
+        paths.update(entry for entry in sys.path if entry.endswith(("site-packages", "dist-packages")))
+    paths.update(_LIBRARY_PATHS)
+    real = sorted({os.path.realpath(path) for path in paths if os.path.exists(path)})
+    # Drop paths inside another bound path: the outer bind already shows them.
+    binds = [path for path in real if not any(path.startswith(other + "/") for other in real if other != path)]
+    symlinks = {f"/{entry}": os.readlink(f"/{entry}") for entry in os.listdir("/") if os.path.islink(f"/{entry}")}
+    symlinks = {link: target for link, target in symlinks.items()
+                if any(f"{bind}/".startswith(os.path.realpath(link) + "/") for bind in binds)}
+    top_level = {path.split("/")[1] for path in [*binds, *symlinks]} | {"dev", "proc", "tmp",
+                                                                         sandbox_child.WORKDIR.split("/")[1]}
+    return {"binds": binds, "symlinks": symlinks, "top_level": sorted(top_level)}
 
 
 def _pick_sandbox_uid() -> int | None:
@@ -288,7 +317,7 @@ def _pick_sandbox_uid() -> int | None:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """End the run and return once every process of it is gone (see `_bootstrap` for how SIGTERM is handled)."""
+    """End the run and return once every process of it is gone (see the child's `main` for SIGTERM)."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
@@ -312,8 +341,6 @@ def _parse_report(raw: bytes) -> dict:
         entry = json.loads(line)
         report["isolation"].update(entry.pop("isolation", {}))
         report.update(entry)
-    if not report["isolation"]:
-        del report["isolation"]
     return report
 
 
@@ -321,274 +348,41 @@ def _log_gaps_once(isolation: dict[str, str]) -> None:
     gaps = tuple(f"{name} ({status})" for name, status in sorted(isolation.items()) if not status.startswith("yes"))
     if gaps and gaps not in _gaps_already_logged:
         _gaps_already_logged.add(gaps)
-        logger.warning("Python sandbox: protections not fully in force on this machine: %s", "; ".join(gaps))
+        logger.warning("UNSAFE Python sandbox: model-written code runs WITHOUT these protections: %s", "; ".join(gaps))
 
 
-def _count_processes_of_uid(uid: int) -> int:
-    count = 0
-    for status_path in Path("/proc").glob("[0-9]*/status"):
-        try:
-            uid_line = next(line for line in status_path.read_text().splitlines() if line.startswith("Uid:"))
-        except (OSError, StopIteration):
-            continue  # the process ended while we looked
-        count += int(uid_line.split()[1]) == uid
-    return count
-
-
-def _remove_tree(path: Path) -> None:
-    def make_writable_and_retry(function, failed_path, _exc_info) -> None:
-        # The code may have chmod-ed its own directories to 000; as root this never triggers.
-        os.chmod(os.path.dirname(failed_path), 0o700)
-        if os.path.isdir(failed_path):
-            os.chmod(failed_path, 0o700)
-        function(failed_path)
-
-    shutil.rmtree(path, onerror=make_writable_and_retry)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Everything below runs in the bootstrap process (`python -I -S sandbox.py CONFIG`), never in the caller.
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _libc_call(libc: ctypes.CDLL, function: str, *args) -> None:
-    if getattr(libc, function)(*args) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{function}{args!r}: {os.strerror(errno)}")
-
-
-def _unshare(libc: ctypes.CDLL, flags: int) -> str | None:
-    """Enter new namespaces; returns None on success or the reason it was refused."""
+def remove_tree(path: str) -> None:
+    """Delete a directory tree the code controlled; never raises and never recurses (the code may nest
+    directories thousands deep or chmod them to 000), so a failure only leaves files behind, logged."""
     try:
-        _libc_call(libc, "unshare", ctypes.c_int(flags))
+        _remove_tree_iteratively(path)
     except OSError as error:
-        return os.strerror(error.errno)
-    return None
+        logger.warning("sandbox: could not remove %s: %s", path, error)
 
 
-def _mount(
-    libc: ctypes.CDLL, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
-) -> None:
-    def encode(text: str | None) -> bytes | None:
-        return None if text is None else os.fsencode(text)
-
-    _libc_call(libc, "mount", encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data))
-
-
-def _enter_user_namespace(libc: ctypes.CDLL, inside_id: int) -> str | None:
-    """Enter a new user namespace, where we hold the capabilities the other namespaces need, with our uid and gid
-    mapped to `inside_id`. That id is not 0 on purpose: exec of a non-root uid clears every capability, so the
-    code cannot undo the read-only mounts. Returns None on success or the reason it was refused."""
-    uid, gid = os.geteuid(), os.getegid()
-    refused = _unshare(libc, CLONE_NEWUSER)
-    if refused:
-        return refused
+def _remove_tree_iteratively(path: str) -> None:
+    # One open directory at a time, walked by file descriptor, so neither depth nor path length matters.
+    names: list[str] = []  # the directories we descended through, below `path`
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        Path("/proc/self/setgroups").write_text("deny")
-        Path("/proc/self/uid_map").write_text(f"{inside_id} {uid} 1")
-        Path("/proc/self/gid_map").write_text(f"{inside_id} {gid} 1")
-    except OSError as error:
-        return f"id maps refused: {error.strerror}"
-    return None
-
-
-def _mounts() -> list[tuple[str, int, bool]]:
-    """(mount point, per-mount flags to preserve, read-only) for every mount, parents before children."""
-    mounts = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        mount_point = re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), fields[4])
-        options = fields[5].split(",")
-        flags = 0
-        for option in options:
-            flags |= _PRESERVED_MOUNT_FLAGS.get(option, 0)
-        mounts.append((mount_point, flags, "ro" in options))
-    return mounts
-
-
-def _open_closed_directories(libc: ctypes.CDLL, needed_paths: list[str]) -> list[str]:
-    """Let the dropped uid reach the interpreter when it lives under a directory others cannot search (a pyenv
-    under /root, mode 700): in this mount namespace only, such a directory is covered by an empty tmpfs holding
-    bind mounts of just the entries on the way to the needed paths. Returns the entries made reachable."""
-    wanted: dict[Path, set[str]] = {}
-    for needed in needed_paths:
-        parts = Path(needed).parts
-        for depth in range(1, len(parts)):
-            directory = Path(*parts[:depth])
-            if not os.stat(directory).st_mode & 0o001:
-                wanted.setdefault(directory, set()).add(parts[depth])
-    exposed = []
-    # Parents first: a deeper closed directory is reached through the bind mounts made for its parent.
-    for directory in sorted(wanted, key=lambda path: len(path.parts)):
-        handles = {name: os.open(directory / name, os.O_PATH) for name in sorted(wanted[directory])}
-        try:
-            _mount(libc, "tmpfs", str(directory), "tmpfs", 0, "mode=755,size=64k")
-            for name, handle in handles.items():
-                entry = directory / name
-                if os.path.isdir(f"/proc/self/fd/{handle}"):
-                    entry.mkdir()
-                else:
-                    entry.touch()
-                _mount(libc, f"/proc/self/fd/{handle}", str(entry), None, MS_BIND | MS_REC)
-                exposed.append(str(entry))
-        finally:
-            for handle in handles.values():
-                os.close(handle)
-    return exposed
-
-
-def _make_filesystem_read_only(libc: ctypes.CDLL, config: dict, fresh_proc: bool) -> str:
-    """In the private mount namespace: remount everything read-only except the work dir; returns the verdict."""
-    workdir = config["workdir"]
-    # Private first: otherwise mount events would propagate back to the caller's namespace.
-    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-    # A bind mount of the work dir onto itself is a mount of its own, left writable when its parent turns ro.
-    _mount(libc, workdir, workdir, None, MS_BIND)
-    notes = []
-    if config["uid"] is not None:
-        exposed = _open_closed_directories(libc, config["interpreter_paths"])
-        if exposed:
-            notes.append(f"closed directories hidden except {', '.join(exposed)} (the interpreter lives there)")
-    if fresh_proc:
-        try:
-            _mount(libc, "proc", "/proc", "proc", _PROC_MOUNT_FLAGS)
-        except OSError as error:
-            notes.append(f"/proc of the pid namespace not mounted ({error.strerror}), the caller's /proc is visible")
-    failed = []
-    for mount_point, flags, read_only in _mounts():
-        if read_only or mount_point == workdir:
-            continue
-        try:
-            _mount(libc, None, mount_point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
-        except OSError as error:
-            failed.append(f"{mount_point} ({error.strerror})")
-    if failed:
-        return "partial: still writable: " + ", ".join(failed)
-    return "; ".join(["yes: every mount read-only except the private work dir", *notes])
-
-
-def _write_report(report_fd: int, entry: dict) -> None:
-    os.write(report_fd, (json.dumps(entry) + "\n").encode())
-
-
-def _set_rlimits(limits: dict[str, int]) -> None:
-    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_seconds"], limits["cpu_seconds"] + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_bytes"],) * 2)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limits["open_files"],) * 2)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"],) * 2)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
-
-
-def _exec_user_code(config: dict, libc: ctypes.CDLL) -> NoReturn:
-    """In the user child: rlimits, give up root, exec the interpreter on main.py. Fails closed."""
-    report_fd, limits, uid = config["report_fd"], config["rlimits"], config["uid"]
-    try:
-        _set_rlimits(limits)
-        # no_new_privs: set-uid binaries (su, mount...) and file capabilities no longer grant anything.
-        _libc_call(libc, "prctl", ctypes.c_int(PR_SET_NO_NEW_PRIVS), ctypes.c_ulong(1), *[ctypes.c_ulong(0)] * 3)
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            user = f"yes: per-run uid {uid}, gid {uid}, no supplementary groups, no_new_privs"
-            process_limit = f"yes: RLIMIT_NPROC={limits['processes']} for a uid of its own"
-        else:
-            user = (
-                f"no: cannot switch uid; the code runs as the caller's uid {config['caller_uid']}, without capabilities"
-            )
-            process_limit = (
-                f"partial: RLIMIT_NPROC={limits['processes']} counts every process of uid {config['caller_uid']}, "
-                "the caller's included"
-            )
-        rlimits = (
-            f"yes: cpu {limits['cpu_seconds']} s, address space {limits['memory_bytes'] >> 20} MiB, "
-            f"open files {limits['open_files']}, file size {limits['file_bytes'] >> 20} MiB, core 0"
-        )
-        _write_report(report_fd, {"isolation": {"user": user, "process_limit": process_limit, "rlimits": rlimits}})
-        os.set_inheritable(report_fd, False)  # the code must not be able to forge the report
-        os.chdir(config["workdir"])
-    except BaseException:  # a forked child must end here, with a code the caller can tell apart
-        traceback.print_exc()
-        os._exit(_EXIT_SETUP_FAILED)
-    python = config["python"]
-    try:
-        os.execve(python, [python, "-s", "main.py"], os.environ)
-    except OSError as error:
-        print(f"sandbox: cannot start {python}: {error.strerror}", file=sys.stderr)
-    os._exit(_EXIT_EXEC_FAILED)
-
-
-def _run_init(
-    config: dict, libc: ctypes.CDLL, isolation: dict[str, str], mounts_refused: str | None, pid_namespace: bool
-) -> NoReturn:
-    """pid 1 of the run: lock the filesystem, start the user child, reap every orphan until it exits."""
-    report_fd = config["report_fd"]
-    try:
-        try:
-            if mounts_refused is not None:
-                raise OSError(f"unshare(NEWNS): {mounts_refused}")
-            isolation["filesystem"] = _make_filesystem_read_only(libc, config, fresh_proc=pid_namespace)
-        except OSError as error:
-            isolation["filesystem"] = (
-                f"no: {error}; writes are limited only by file permissions "
-                "(world-writable directories such as /tmp stay writable)"
-            )
-        _write_report(report_fd, {"isolation": isolation})
-        user_pid = os.fork()
-        if user_pid == 0:
-            _exec_user_code(config, libc)
         while True:
-            pid, status = os.waitpid(-1, 0)
-            if pid == user_pid:
-                break
-        _write_report(report_fd, {"exit_status": os.waitstatus_to_exitcode(status)})
-    except BaseException:  # a forked child must end here, with a code the caller can tell apart
-        traceback.print_exc()
-        os._exit(_EXIT_SETUP_FAILED)
-    os._exit(0)
-
-
-def _bootstrap(config: dict) -> NoReturn:
-    libc = ctypes.CDLL(None, use_errno=True)
-    isolation: dict[str, str] = {}
-    config["caller_uid"] = os.geteuid()
-    if config["uid"] is None:
-        inside_id = os.geteuid() or _NOBODY
-        refused = _enter_user_namespace(libc, inside_id)
-        isolation["user_namespace"] = (
-            f"yes: caller mapped to uid {inside_id} of a user namespace" if refused is None else f"no: {refused}"
-        )
-    refused = _unshare(libc, CLONE_NEWNET)
-    isolation["network"] = (
-        "yes: private network namespace, no interface up" if refused is None else f"no: unshare(NEWNET): {refused}"
-    )
-    mounts_refused = _unshare(libc, CLONE_NEWNS)
-    pid_refused = _unshare(libc, CLONE_NEWPID)
-    isolation["pid_namespace"] = (
-        "yes: every process of the run dies with it"
-        if pid_refused is None
-        else f"no: unshare(NEWPID): {pid_refused}; processes that leave the process group can outlive the run"
-    )
-    init_pid = os.fork()
-    if init_pid == 0:
-        _run_init(config, libc, isolation, mounts_refused, pid_namespace=pid_refused is None)
-
-    def end_the_run(_signum: int, _frame: object) -> None:
-        if pid_refused is None:
-            # The kernel kills every process of a pid namespace whose pid 1 dies, and that pid 1 is only reaped
-            # once they are all gone: waiting for it below means the caller never sees a half-dead run.
-            os.kill(init_pid, signal.SIGKILL)
-        else:
-            os.killpg(0, signal.SIGKILL)
-
-    signal.signal(signal.SIGTERM, end_the_run)
-    _, status = os.waitpid(init_pid, 0)
-    if os.WIFSIGNALED(status):  # die the same way, so the caller's returncode says which signal ended the run
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), os.WTERMSIG(status))
-    os._exit(os.waitstatus_to_exitcode(status))
-
-
-if __name__ == "__main__":
-    _bootstrap(json.loads(sys.argv[1]))
+            with os.scandir(fd) as entries:
+                entry = next(entries, None)
+            if entry is None:
+                if not names:
+                    break
+                parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                os.rmdir(names.pop(), dir_fd=fd)
+            elif entry.is_dir(follow_symlinks=False):
+                os.chmod(entry.name, 0o700, dir_fd=fd)
+                child = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = child
+                names.append(entry.name)
+            else:
+                os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)

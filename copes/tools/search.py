@@ -1,19 +1,25 @@
 """Search for the agent: a local BM25 index over a passage corpus, or a Search-R1 style retrieval server.
 
-A corpus is a jsonl file, one passage a line: {"id": str, "title": str, "text": str}.
-`build_corpus_from_hotpotqa` makes one from the paragraphs that HotpotQA ships with its questions, which is the
-offline stand-in for the Wikipedia dump Search-R1 retrieves from. Both retrievers return `Passage`s and raise
-`SearchError` when the search itself fails (bad input is a ValueError).
+A corpus is a jsonl file, one passage a line: {"id": str, "title": str, "text": str}. `write_corpus` makes one
+from (title, paragraph) pairs, e.g. the paragraphs the QA task loaders keep with each question (HotpotQA's are
+the offline stand-in for the Wikipedia dump Search-R1 retrieves from). Both retrievers return `Passage`s and
+raise `SearchError` when the search itself fails (bad input is a ValueError).
+
+The retrieval server's answer is untrusted: one total deadline per call (a server dripping a byte at a time
+cannot hold it longer), a cap on the response size, no redirects, and every failure a SearchError.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
-from abc import ABC, abstractmethod
 import os
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import socket
+import threading
+import time
+import urllib.parse
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -61,35 +67,7 @@ class _BatchRetriever(ABC):
         """The retriever itself, on validated, non-empty input."""
 
 
-# ---------------------------------------------------------------- corpus from HotpotQA
-
-
-def _read_records(path: Path) -> Iterator[dict[str, Any]]:
-    """Rows of a jsonl file, or of a JSON array (the original HotpotQA release is one big array)."""
-    with open(path, encoding="utf-8") as file:
-        head = file.read(1)
-        while head.isspace():
-            head = file.read(1)
-        file.seek(0)
-        if head == "[":
-            yield from json.load(file)
-            return
-        for line in file:
-            if line.strip():
-                yield json.loads(line)
-
-
-def _hotpotqa_paragraphs(record: dict[str, Any], where: str) -> Iterator[tuple[str, str]]:
-    context = record.get("context")
-    if isinstance(context, dict):  # hub layout: {"title": [...], "sentences": [[...], ...]}
-        pairs: Iterable = zip(context["title"], context["sentences"])
-    elif isinstance(context, list):  # original release: [[title, [sentence, ...]], ...]
-        pairs = context
-    else:
-        raise ValueError(f"{where}: 'context' must be a dict of lists or a list of [title, sentences] pairs")
-    for title, sentences in pairs:
-        # HotpotQA sentences carry their own leading spaces, so plain concatenation restores the paragraph.
-        yield title, "".join(sentences).strip()
+# ---------------------------------------------------------------- corpus
 
 
 def write_corpus(paragraphs: Iterable[tuple[str, str]], out_path: Path) -> int:
@@ -109,26 +87,19 @@ def write_corpus(paragraphs: Iterable[tuple[str, str]], out_path: Path) -> int:
     return len(seen)
 
 
-def build_corpus_from_hotpotqa(paths: list[Path], out_path: Path) -> int:
-    """Write one passage per distinct (title, paragraph) found in the contexts of `paths`; returns the count."""
-    if not paths:
-        raise ValueError("paths must name at least one HotpotQA file")
-    paragraphs = (
-        paragraph
-        for path in paths
-        for row_number, record in enumerate(_read_records(Path(path)), 1)
-        for paragraph in _hotpotqa_paragraphs(record, where=f"{path} row {row_number}")
-    )
-    return write_corpus(paragraphs, out_path)
-
-
 def load_corpus(corpus_path: Path) -> list[Passage]:
     passages = []
-    for row_number, row in enumerate(_read_records(Path(corpus_path)), 1):
-        try:
-            passages.append(Passage(id=str(row["id"]), title=row["title"], text=row["text"]))
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"{corpus_path} row {row_number}: a passage needs 'id', 'title' and 'text'") from error
+    with open(corpus_path, encoding="utf-8") as lines:
+        for row_number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                passages.append(Passage(id=str(row["id"]), title=row["title"], text=row["text"]))
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(
+                    f"{corpus_path} row {row_number}: a passage is a JSON object with 'id', 'title' and 'text'"
+                ) from error
     return passages
 
 
@@ -226,36 +197,77 @@ def _passage_from_hit(hit: Any) -> Passage:
 
 
 class HttpRetriever(_BatchRetriever):
-    """Client of a Search-R1 retrieval server (`POST {url}/retrieve`)."""
+    """Client of a Search-R1 retrieval server (`POST {url}/retrieve`).
 
-    def __init__(self, url: str, timeout_s: float = 10.0) -> None:
+    `timeout_s` bounds the whole call (connect, send, every byte of the answer); `max_response_bytes` its size."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0, max_response_bytes: int = 4 << 20) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if isinstance(max_response_bytes, bool) or not isinstance(max_response_bytes, int) or max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be a positive int, got {max_response_bytes!r}")
         self.endpoint = url.rstrip("/") + "/retrieve"
         self.timeout_s = timeout_s
+        self.max_response_bytes = max_response_bytes
+
+    def _post(self, payload: bytes) -> bytes:
+        """The response body; SearchError on any failure, past the deadline or over the size cap."""
+        parts = urllib.parse.urlsplit(self.endpoint)
+        connection_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            connection = connection_type(parts.hostname, parts.port, timeout=self.timeout_s)
+        except (ValueError, http.client.HTTPException) as error:
+            raise SearchError(f"bad retrieval server address {self.endpoint}: {error}") from error
+        watchdog = None
+        try:
+            connection.connect()  # bounded by the socket timeout
+            # At the deadline the socket is shut down, which ends whatever read or write is blocked on it (the
+            # response keeps reading from this socket even after the connection object lets go of it).
+            watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), _shut_down, args=(connection.sock,))
+            watchdog.daemon = True
+            watchdog.start()
+            connection.request("POST", parts.path or "/", body=payload, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            body = response.read(self.max_response_bytes + 1)
+            # Fewer bytes than Content-Length promised: the server hung up, or the deadline cut it off.
+            if response.length and len(body) <= self.max_response_bytes:
+                raise http.client.IncompleteRead(body, response.length)
+        except (OSError, http.client.HTTPException, ValueError) as error:
+            if time.monotonic() >= deadline:
+                raise SearchError(
+                    f"cannot reach retrieval server {self.endpoint}: timed out after {self.timeout_s:g}s "
+                    "(one deadline for the whole call)"
+                ) from None
+            raise SearchError(f"cannot reach retrieval server {self.endpoint}: {error!r}") from error
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            connection.close()
+        if response.status != 200:  # redirects included: the agent's search goes to the configured server only
+            detail = body[:300].decode("utf-8", errors="replace")
+            raise SearchError(f"retrieval server {self.endpoint} answered HTTP {response.status}: {detail}")
+        if len(body) > self.max_response_bytes:
+            raise SearchError(f"retrieval server {self.endpoint} answered more than {self.max_response_bytes} bytes")
+        return body
 
     def _search_batch(self, queries: list[str], top_k: int) -> list[list[Passage]]:
-        payload = json.dumps({"queries": queries, "topk": top_k, "return_scores": True}).encode()
-        request = urllib.request.Request(
-            self.endpoint, data=payload, headers={"Content-Type": "application/json"}, method="POST"
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                body = response.read()
-        except urllib.error.HTTPError as error:
-            detail = error.read(300).decode("utf-8", errors="replace")
-            raise SearchError(f"retrieval server {self.endpoint} answered HTTP {error.code}: {detail}") from error
-        except (urllib.error.URLError, OSError) as error:
-            reason = getattr(error, "reason", error)
-            raise SearchError(f"cannot reach retrieval server {self.endpoint}: {reason}") from error
+        body = self._post(json.dumps({"queries": queries, "topk": top_k, "return_scores": True}).encode())
         try:
             result = json.loads(body)["result"]
-        except (ValueError, KeyError, TypeError) as error:
+        except (ValueError, KeyError, TypeError, RecursionError) as error:
             raise SearchError(f"{self.endpoint} did not answer with JSON holding 'result': {body[:200]!r}") from error
         if not isinstance(result, list) or len(result) != len(queries) or not all(isinstance(r, list) for r in result):
             raise SearchError(
                 f"{self.endpoint} must return one list of hits per query ({len(queries)}), got {result!r:.200}"
             )
         return [[_passage_from_hit(hit) for hit in hits[:top_k]] for hits in result]
+
+
+def _shut_down(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed

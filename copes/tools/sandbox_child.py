@@ -1,0 +1,472 @@
+"""The sandbox's child side: `python -I -S sandbox_child.py CONFIG_JSON`, started by `PythonSandbox.run`.
+
+Standard library only, on purpose: it runs before any isolation exists, so it must not import site-packages
+(or this package) that the code under test could have influenced, and it must start fast.
+
+    bootstrap  join the run's cgroups (whole-run memory and pids limits) and check them from inside;
+               root: become a fresh per-run uid; then unshare USER (our uid -> uid 1000 inside), NET, NS, IPC,
+               PID, and check every namespace differs from the caller's
+      fork --> init (pid 1 of the new pid namespace): a fresh session keyring; a fresh tmpfs root holding only
+               read-only binds of the interpreter, its libraries and site-packages, /dev/null|zero|urandom, a
+               fresh /proc and a size-limited writable work dir; pivot_root into it, check every mount
+        fork --> user code: rlimits, every capability dropped (checked), no_new_privs, exec python main.py
+
+Every check lands in the report (JSON lines on `report_fd`) as "yes: ..." or "no: ...". In strict mode
+(the default) a single "no" ends the run before the code starts: the caller raises SandboxUnavailable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import resource
+import signal
+import socket
+import sys
+import tempfile
+import traceback
+from typing import NoReturn
+
+# <sched.h>; Python 3.11 has no os.unshare.
+NAMESPACES = {
+    "user": 0x10000000,
+    "network": 0x40000000,
+    "mount": 0x00020000,
+    "ipc": 0x08000000,
+    "pid": 0x20000000,
+}
+PROTECTION_OF = {"user": "user", "network": "network", "mount": "filesystem", "ipc": "ipc", "pid": "pid_namespace"}
+# /proc/self/ns entry of each namespace, to check from inside that it is not the caller's.
+NAMESPACE_FILES = {"user": "user", "network": "net", "mount": "mnt", "ipc": "ipc", "pid": "pid"}
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
+MNT_DETACH = 0x2
+# statvfs flags -> mount flags: a read-only remount of a bind must keep these, the kernel locks them in a
+# user namespace (and dropping them would loosen nosuid/nodev/noexec).
+_LOCKED_FLAGS = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC,
+                 os.ST_NOATIME: 0x400, os.ST_NODIRATIME: 0x800, os.ST_RELATIME: 0x200000}
+PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 4, 24, 38, 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+KEYCTL_GET_KEYRING_ID, KEYCTL_JOIN_SESSION_KEYRING, KEY_SPEC_SESSION_KEYRING = 0, 1, -3
+# Syscalls glibc has no wrapper for, per architecture.
+SYSCALLS = {"x86_64": {"keyctl": 250, "pivot_root": 155}, "aarch64": {"keyctl": 219, "pivot_root": 41}}
+INSIDE_ID = 1000  # the code's uid and gid inside its user namespace: not 0, so exec leaves it no capabilities
+WORKDIR = "/sandbox"
+# The host directory the new root is assembled on; it is only covered inside our private mount namespace.
+STAGING = "/tmp"
+DEVICES = ("null", "zero", "urandom")
+EXIT_UNAVAILABLE = 124  # a required protection is missing; the code never ran
+EXIT_SETUP_FAILED = 125
+EXIT_EXEC_FAILED = 127
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+class Refused(OSError):
+    """A protection could not be put in place; the message says which call failed and why."""
+
+
+def _check(result: int, what: str) -> int:
+    if result == -1:
+        errno = ctypes.get_errno()
+        raise Refused(errno, f"{what}: {os.strerror(errno)}")
+    return result
+
+
+def _syscall(name: str, *args: object) -> int:
+    number = SYSCALLS.get(platform.machine(), {}).get(name)
+    if number is None:
+        raise Refused(0, f"{name}: syscall number unknown on {platform.machine()}")
+    return _check(libc.syscall(ctypes.c_long(number), *args), name)
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    encode = lambda text: None if text is None else os.fsencode(text)  # noqa: E731
+    _check(libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)),
+           f"mount {target}")
+
+
+def session_keyring_id() -> int | None:
+    """The serial of the calling process's session keyring, None when it has none (also used by the caller)."""
+    try:
+        return _syscall("keyctl", ctypes.c_int(KEYCTL_GET_KEYRING_ID), ctypes.c_int(KEY_SPEC_SESSION_KEYRING),
+                        ctypes.c_int(0))
+    except Refused:
+        return None
+
+
+def namespace_ids() -> dict[str, str]:
+    """`user:[4026531837]`-style identities of our namespaces (also used by the caller)."""
+    return {name: os.readlink(f"/proc/self/ns/{entry}") for name, entry in NAMESPACE_FILES.items()}
+
+
+class Report:
+    def __init__(self, fd: int, strict: bool) -> None:
+        self.fd, self.strict = fd, strict
+        self.isolation: dict[str, str] = {}
+
+    def verdict(self, protection: str, ok: bool, detail: str) -> bool:
+        self.isolation[protection] = f"{'yes' if ok else 'no'}: {detail}"
+        return ok
+
+    def send(self, **entry: object) -> None:
+        os.write(self.fd, (json.dumps({"isolation": self.isolation, **entry}) + "\n").encode())
+        self.isolation = {}
+
+    def stop_if_missing(self, missing: list[str]) -> None:
+        """Strict mode: end the run before the code starts when anything required is missing."""
+        if missing and self.strict:
+            self.send(unavailable=missing)
+            os._exit(EXIT_UNAVAILABLE)
+
+
+# ---------------------------------------------------------------- bootstrap: cgroups, identity, namespaces
+
+
+def _join_cgroups(config: dict, report: Report) -> list[str]:
+    """Enter the run's cgroups before anything forks, so every process of the run is counted; check the limits
+    from here (membership in /proc/self/cgroup, the limit files read back)."""
+    cgroup = config["cgroup"]
+    if cgroup is None:
+        reason = config["cgroup_unavailable"]
+        report.verdict("memory", False, f"no whole-run memory limit: {reason}")
+        report.verdict("process_limit", False, "no whole-run process limit: no cgroup either (see memory)")
+        return ["memory", "process_limit"]
+    try:
+        for procs_file in cgroup["procs_files"]:
+            with open(procs_file, "w") as file:
+                file.write(str(os.getpid()))
+        membership = open("/proc/self/cgroup").read()
+        checks = {"memory": cgroup["memory"], "process_limit": cgroup["pids"]}
+        missing = []
+        for protection, (limit_file, member_path, expected) in checks.items():
+            value = open(limit_file).read().strip()
+            ok = f":{member_path}\n" in membership and value == str(expected)
+            report.verdict(protection, ok, f"cgroup {os.path.basename(limit_file)} = {value} for the whole run, "
+                                           f"every process of it inside {member_path}")
+            missing += [] if ok else [protection]
+        return missing
+    except OSError as error:
+        report.verdict("memory", False, f"cannot join the run's cgroup: {error}")
+        report.verdict("process_limit", False, f"cannot join the run's cgroup: {error}")
+        return ["memory", "process_limit"]
+
+
+def _become_run_user(config: dict) -> None:
+    """Root: a uid and gid of this run's own, so nothing else on the machine shares them (keyring quotas, signals)."""
+    run_id = config["run_uid"]
+    if run_id is None:
+        return
+    os.setgroups([])
+    os.setresgid(run_id, run_id, run_id)
+    os.setresuid(run_id, run_id, run_id)
+    # A uid change makes the process non-dumpable, which makes /proc/self/uid_map root's; we must write it.
+    _check(libc.prctl(PR_SET_DUMPABLE, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)),
+           "prctl(PR_SET_DUMPABLE)")
+
+
+def _enter_namespaces(config: dict, report: Report) -> list[str]:
+    outside_uid, outside_gid = os.geteuid(), os.getegid()
+    missing = []
+    for name, flag in NAMESPACES.items():
+        try:
+            _check(libc.unshare(ctypes.c_int(flag)), f"unshare({name})")
+            if name == "user":
+                for path, text in (("setgroups", "deny"), ("uid_map", f"{INSIDE_ID} {outside_uid} 1"),
+                                   ("gid_map", f"{INSIDE_ID} {outside_gid} 1")):
+                    with open(f"/proc/self/{path}", "w") as file:
+                        file.write(text)
+        except OSError as error:
+            missing.append(name)
+            if name == "user":  # without it the other namespaces need privileges we gave up
+                report.verdict("user", False, f"{error}; the code would run as uid {outside_uid}")
+                for other in NAMESPACES:
+                    if other != "user":
+                        report.verdict(PROTECTION_OF[other], False, "needs the user namespace")
+                return list(NAMESPACES)
+            report.verdict(PROTECTION_OF[name], False, str(error))
+    return missing
+
+
+def _check_namespaces(config: dict, report: Report, not_entered: list[str]) -> list[str]:
+    """Check from inside that each namespace we entered really is a fresh one; returns those that are not."""
+    caller, ours = config["caller_namespaces"], namespace_ids()
+    failed = []
+    if "network" not in not_entered:
+        interfaces = [interface for _, interface in socket.if_nameindex()]
+        fresh = ours["network"] != caller["network"] and interfaces == ["lo"]
+        if not report.verdict("network", fresh, f"private network namespace {ours['network']}, interfaces: "
+                                                f"{', '.join(interfaces)}, all down"):
+            failed.append("network")
+    if "ipc" not in not_entered:
+        fresh = ours["ipc"] != caller["ipc"]
+        if not report.verdict("ipc", fresh, f"private System V IPC and POSIX message queues {ours['ipc']}"):
+            failed.append("ipc")
+    if "user" not in not_entered:
+        uid_map = open("/proc/self/uid_map").read().split()
+        user_ok = ours["user"] != caller["user"] and uid_map[:1] == [str(INSIDE_ID)] and len(uid_map) == 3
+        detail = (f"per-run uid {uid_map[1]} (uid {INSIDE_ID} of its own user namespace)" if config["run_uid"]
+                  else f"uid {INSIDE_ID} of its own user namespace, mapped to the caller's uid {uid_map[1]}")
+        if not report.verdict("user", user_ok, detail):
+            failed.append("user")
+    return failed
+
+
+# ---------------------------------------------------------------- init: keyring, filesystem
+
+
+def _fresh_keyring(config: dict, report: Report) -> list[str]:
+    try:
+        _syscall("keyctl", ctypes.c_int(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None))
+        ours = session_keyring_id()
+    except Refused as error:
+        report.verdict("keyring", False, str(error))
+        return ["keyring"]
+    ok = ours is not None and ours != config["caller_keyring"]
+    report.verdict("keyring", ok, f"fresh anonymous session keyring {ours} (the caller's: {config['caller_keyring']})")
+    return [] if ok else ["keyring"]
+
+
+def _make_path(root: str, path: str, like: str) -> str:
+    """Create `path` under `root` as an empty file or directory matching the host entry `like`."""
+    target = root + path
+    os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+    if os.path.isdir(like):
+        os.makedirs(target, mode=0o755, exist_ok=True)
+    else:
+        open(target, "a").close()
+    return target
+
+
+def _bind_read_only(source: str, target: str) -> None:
+    _mount(source, target, None, MS_BIND | MS_REC)
+    locked = 0
+    host_flags = os.statvfs(source).f_flag
+    for statvfs_flag, mount_flag in _LOCKED_FLAGS.items():
+        locked |= mount_flag if host_flags & statvfs_flag else 0
+    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | locked)
+
+
+def _build_root(config: dict) -> None:
+    """In a mount namespace of our own: assemble the new root on STAGING, pivot into it, make it read-only.
+
+    Root does this before giving up root, so it can reach an interpreter the run's uid could not (a pyenv under
+    /root, mode 700); the user namespace's mount namespace then inherits these mounts locked read-only."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates back to the caller
+    root = STAGING
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    for link, target in config["symlinks"].items():
+        os.makedirs(os.path.dirname(root + link), mode=0o755, exist_ok=True)
+        os.symlink(target, root + link)
+    for path in [*config["binds"], *(f"/dev/{device}" for device in DEVICES)]:
+        _bind_read_only(path, _make_path(root, path, path))
+    os.symlink("/proc/self/fd", root + "/dev/fd")
+    # The kernel mounts a fresh proc (in `_finish_root`) only where a full one is already visible.
+    os.makedirs(root + "/proc", mode=0o555)
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _make_path(root, WORKDIR, "/")
+    os.mkdir(root + "/tmp", 0o755)  # empty and read-only: code that writes to /tmp fails loudly (TMPDIR is WORKDIR)
+    os.chdir(root)
+    _syscall("pivot_root", b".", b".")  # the old root ends up stacked under the new one; detach it
+    _check(libc.umount2(b".", ctypes.c_int(MNT_DETACH)), "umount old root")
+    os.chdir("/")
+    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _finish_root(config: dict) -> str:
+    """In the run's pid and user namespaces: a /proc showing only the run, and the size-limited work dir."""
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount("tmpfs", WORKDIR, "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={config['disk_bytes']},nr_inodes={config['max_files']},mode=0700,uid={INSIDE_ID},gid={INSIDE_ID}")
+    return WORKDIR
+
+
+def _check_filesystem(config: dict, report: Report) -> bool:
+    """Every mount read-only except the work dir (and /proc, which holds only this run's processes)."""
+    writable, seen = [], []
+    for line in open("/proc/self/mountinfo").read().splitlines():
+        fields = line.split()
+        mount_point, options = fields[4], fields[5].split(",")
+        seen.append(mount_point)
+        if "ro" not in options and mount_point not in (WORKDIR, "/proc"):
+            writable.append(mount_point)
+    disk = os.statvfs(WORKDIR)
+    size_ok = disk.f_blocks * disk.f_frsize <= config["disk_bytes"] and disk.f_files <= config["max_files"]
+    ok = not writable and size_ok and sorted(os.listdir("/")) == sorted(config["top_level"])
+    detail = (f"fresh tmpfs root with read-only binds of {', '.join(config['binds'])}, "
+              f"/dev/{{{','.join(DEVICES)}}} and a fresh /proc; writable: only {WORKDIR}")
+    if writable:
+        detail += f"; also writable: {', '.join(writable)}"
+    report.verdict("filesystem", ok, detail)
+    report.verdict("disk", size_ok, f"{WORKDIR} is a tmpfs of {disk.f_blocks * disk.f_frsize >> 20} MiB and "
+                                    f"{disk.f_files} inodes for the whole run")
+    return ok and size_ok
+
+
+def _host_workdir(report: Report) -> str:
+    """Unsafe mode without a private filesystem: a host temp dir, removed by the caller after the run."""
+    path = tempfile.mkdtemp(prefix="copes_sandbox_")
+    report.send(host_workdir=path)
+    return path
+
+
+# ---------------------------------------------------------------- user code
+
+
+def _drop_capabilities() -> str:
+    """Empty every capability set (bounding and ambient too), set no_new_privs, and read the result back."""
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0)), "prctl(PR_SET_NO_NEW_PRIVS)")
+    libc.prctl(PR_CAP_AMBIENT, ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), ctypes.c_ulong(0), ctypes.c_ulong(0),
+               ctypes.c_ulong(0))
+    last_cap = int(open("/proc/sys/kernel/cap_last_cap").read())
+    for cap in range(last_cap + 1):
+        libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()
+    _check(libc.capset(header, data), "capset")
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    held = {name: status[name].strip() for name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
+            if int(status[name], 16)}
+    if held or status["NoNewPrivs"].strip() != "1":
+        raise Refused(0, f"capabilities still held: {held}")
+    return "none: effective, permitted, inheritable, ambient and bounding sets empty; no_new_privs"
+
+
+def _set_rlimits(limits: dict[str, int]) -> bool:
+    """Set every per-process limit and read them back; True when all hold."""
+    wanted = {
+        resource.RLIMIT_CPU: (limits["cpu_seconds"], limits["cpu_seconds"] + 1),
+        resource.RLIMIT_AS: (limits["memory_bytes"],) * 2,
+        resource.RLIMIT_NOFILE: (limits["open_files"],) * 2,
+        resource.RLIMIT_FSIZE: (limits["file_bytes"],) * 2,
+        resource.RLIMIT_CORE: (0, 0),
+        resource.RLIMIT_NPROC: (limits["processes"],) * 2,
+    }
+    for limit, values in wanted.items():
+        resource.setrlimit(limit, values)
+    return all(resource.getrlimit(limit) == values for limit, values in wanted.items())
+
+
+def _exec_user_code(config: dict, report: Report, workdir: str) -> NoReturn:
+    limits = config["rlimits"]
+    try:
+        rlimits_ok = _set_rlimits(limits)
+        report.verdict("rlimits", rlimits_ok, f"cpu {limits['cpu_seconds']} s, address space "
+                                              f"{limits['memory_bytes'] >> 20} "
+                                        f"MiB, open files {limits['open_files']}, file size "
+                                        f"{limits['file_bytes'] >> 20} MiB, core 0 per process")
+        try:
+            ok = report.verdict("capabilities", True, _drop_capabilities())
+        except Refused as error:
+            ok = report.verdict("capabilities", False, str(error))
+        report.stop_if_missing([name for name, held in (("capabilities", ok), ("rlimits", rlimits_ok)) if not held])
+        report.send()
+        os.set_inheritable(report.fd, False)  # the code must not be able to forge the report
+        os.close(report.fd)
+        os.chdir(workdir)
+        env = dict(config["environment"], HOME=workdir, TMPDIR=workdir)
+    except BaseException:  # a forked child must end here, with a code the caller can tell apart
+        traceback.print_exc()
+        os._exit(EXIT_SETUP_FAILED)
+    python = config["python"]
+    try:
+        os.execve(python, [python, "-s", "main.py"], env)
+    except OSError as error:
+        print(f"sandbox: cannot start {python}: {error.strerror}", file=sys.stderr)
+    os._exit(EXIT_EXEC_FAILED)
+
+
+def _run_init(config: dict, report: Report, root_built: bool, private: bool, private_pids: bool) -> NoReturn:
+    """pid 1 of the run: keyring, filesystem, start the user child, reap every orphan until it exits."""
+    try:
+        code = os.pread(config["code_fd"], config["code_bytes"], 0)
+        os.close(config["code_fd"])
+        missing = _fresh_keyring(config, report)
+        if private_pids:
+            pid_namespace = os.readlink("/proc/self/ns/pid")
+            fresh = os.getpid() == 1 and pid_namespace != config["caller_namespaces"]["pid"]
+            if not report.verdict("pid_namespace", fresh, f"pid 1 of a private pid namespace {pid_namespace}: "
+                                                          "every process of the run dies with it"):
+                missing.append("pid")
+        workdir = None
+        if private:
+            try:
+                if not root_built:
+                    _build_root(config)
+                workdir = _finish_root(config)
+                missing += [] if _check_filesystem(config, report) else ["filesystem"]
+            except OSError as error:
+                report.verdict("filesystem", False, f"cannot build the private root: {error}")
+                missing.append("filesystem")
+        else:
+            report.verdict("filesystem", False, "no private mount namespace: the host filesystem is visible")
+            missing.append("filesystem")
+        report.stop_if_missing(missing)
+        if workdir is None:
+            workdir = _host_workdir(report)
+        with open(os.path.join(workdir, "main.py"), "wb") as file:
+            file.write(code)
+        report.send()
+        user_pid = os.fork()
+        if user_pid == 0:
+            _exec_user_code(config, report, workdir)
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == user_pid:
+                break
+        report.send(exit_status=os.waitstatus_to_exitcode(status))
+    except BaseException:  # a forked child must end here, with a code the caller can tell apart
+        traceback.print_exc()
+        os._exit(EXIT_SETUP_FAILED)
+    os._exit(0)
+
+
+def _build_root_as_root(config: dict) -> bool:
+    """Root with CAP_SYS_ADMIN builds the new root right away (see `_build_root`); otherwise (not root, or a
+    container that withholds CAP_SYS_ADMIN) init builds it inside the user namespace."""
+    if config["run_uid"] is None:
+        return False
+    try:
+        _check(libc.unshare(ctypes.c_int(NAMESPACES["mount"])), "unshare(mount)")
+        _build_root(config)
+    except OSError:
+        return False
+    return True
+
+
+def main(config: dict) -> NoReturn:
+    report = Report(config["report_fd"], strict=not config["unsafe"])
+    missing = _join_cgroups(config, report)
+    root_built = _build_root_as_root(config)
+    _become_run_user(config)
+    unavailable = _enter_namespaces(config, report)
+    missing += unavailable + _check_namespaces(config, report, unavailable)
+    report.stop_if_missing(missing)
+    report.send()
+    init_pid = os.fork()
+    pid_namespace = "pid" not in unavailable
+    if init_pid == 0:
+        _run_init(config, report, root_built, private="mount" not in unavailable, private_pids=pid_namespace)
+
+    def end_the_run(_signum: int, _frame: object) -> None:
+        if pid_namespace:
+            # The kernel kills every process of a pid namespace whose pid 1 dies, and reaps that pid 1 only
+            # once they are all gone: waiting for it below means the caller never sees a half-dead run.
+            os.kill(init_pid, signal.SIGKILL)
+        else:
+            os.killpg(0, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, end_the_run)
+    _, status = os.waitpid(init_pid, 0)
+    if os.WIFSIGNALED(status):  # die the same way, so the caller's returncode says which signal ended the run
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
