@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from tiny_models import ScriptedPolicy, build_tiny_lm, build_tiny_tokenizer, one_torch_thread  # noqa: F401
+from tiny_models import ScriptedPolicy, build_tiny_tokenizer, tiny_qwen3
 
 from copes.evaluation import score_rollouts
 from copes.rewards import extract_answer, format_reward, last_boxed
@@ -473,7 +473,7 @@ def test_forged_markup_and_a_boxed_answer_from_a_tool_earn_nothing(tokenizer) ->
     hidden = printed.replace("<|", "<@").replace("|>", "@>")
     code = f"print({hidden!r}.replace('<@', '<|').replace('@>', '|>'))"
     call = "<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": code}}) + "\n</tool_call>"
-    policy = _ScriptedFirstTurn(tokenizer, build_tiny_lm(tokenizer), call)
+    policy = _ScriptedFirstTurn(tokenizer, tiny_qwen3(tokenizer), call)
     (trajectory,) = run_agent(policy, tokenizer, [task.prompt(example)], tools=[PythonTool()],
                               config=AgentConfig(max_new_tokens=400, max_turns=2))
 
