@@ -107,6 +107,12 @@ def save_checkpoint(
     return final
 
 
+def remove_partial_checkpoints(root: Path) -> None:
+    """Delete staging folders a crash left mid-write (a resumed run may never write that step again)."""
+    for staging in root.glob(".step-*.partial"):
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """Accept a run's output dir, its checkpoints/ folder, or one checkpoint folder."""
     path = Path(path)

@@ -10,6 +10,7 @@ one bit for bit, so a journal replayed on another backend or copes version fails
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,12 +59,16 @@ def newest_checkpoint(run_dir: Path, run_id: str, steps_done: int) -> Checkpoint
     """The newest complete, intact checkpoint this run wrote (a previous run's in the same folder are ignored)."""
     candidates = sorted((run_dir / "checkpoints").glob("step-*"), reverse=True)
     for folder in candidates:
+        try:  # cheap look first: only this run's checkpoints are worth verifying
+            state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            state = {}
+        if state.get("run_id") != run_id:
+            continue
         try:
             es_state, state = ckpt.load_checkpoint(folder)
         except ConfigError as error:
             tqdm.write(f"warning: skipping {folder}: {error}")
-            continue
-        if state.get("run_id") != run_id:
             continue
         if state["step"] > steps_done:
             raise ConfigError(f"{run_dir}: checkpoint step {state['step']} is newer than the journal's last update "
@@ -98,6 +103,8 @@ def resume_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, st
         load_checkpoint_into(checkpoint, model, strategy)
     start = checkpoint.step if checkpoint else 0
     replay_steps(strategy, contents, start + 1, contents.steps_done, with_members=replays_members(cfg), progress=progress)
+    if writer:
+        ckpt.remove_partial_checkpoints(run_dir / "checkpoints")
     next_step = contents.steps_done + 1
     journal = RunJournal(contents.header["run_id"],
                          JournalWriter(contents.path, keep_bytes=contents.valid_bytes) if writer else None,
