@@ -190,7 +190,7 @@ def _lines(path: Path) -> tuple[list[bytes], bool]:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"--resume {path.parent} is not a checkpoint or run directory (no {JOURNAL_NAME} in it)") from None
+        raise ConfigError(f"{path.parent} is not a checkpoint or run directory: it has no {JOURNAL_NAME}") from None
     except OSError as error:
         raise ConfigError(f"cannot read {path}: {error.strerror or error}") from None
     lines = data.split(b"\n")
@@ -199,7 +199,10 @@ def _lines(path: Path) -> tuple[list[bytes], bool]:
 
 def read_header(run_dir: str | Path) -> dict[str, Any]:
     path = journal_path(run_dir)
-    lines, _ = _lines(path)
+    return _header(_lines(path)[0], path)
+
+
+def _header(lines: list[bytes], path: Path) -> dict[str, Any]:
     header = _decode(lines[0], 1, path) if lines else None
     if not header or header.get("kind") != "header":
         raise ConfigError(f"{path}:1: the journal does not start with a header")
@@ -211,9 +214,8 @@ def read_header(run_dir: str | Path) -> dict[str, Any]:
 def read_journal(run_dir: str | Path) -> JournalContents:
     """Every intact record, checked for order and gaps; a torn last record is dropped."""
     path = journal_path(run_dir)
-    header = read_header(run_dir)
     lines, torn = _lines(path)
-    contents = JournalContents(path=path, header=header, torn=torn, valid_bytes=len(lines[0]) + 1)
+    contents = JournalContents(path=path, header=_header(lines, path), torn=torn, valid_bytes=len(lines[0]) + 1)
     for number, line in enumerate(lines[1:], start=2):
         contents._add(_decode(line, number, path), f"{path}:{number}")
         contents.valid_bytes += len(line) + 1

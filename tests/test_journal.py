@@ -328,6 +328,20 @@ def test_a_journal_with_a_gap_is_refused(reference, tmp_path):
         read_journal(run_dir)
 
 
+def test_a_replay_that_drifts_from_the_journal_is_refused(reference, tmp_path):
+    """A correctly checksummed journal whose update norm the replay does not reproduce (another backend, another
+    version) stops the replay at that step instead of writing other weights."""
+    run_dir = _copy_run(reference, tmp_path)
+    path = journal_path(run_dir)
+    lines = path.read_bytes().split(b"\n")
+    contents = read_journal(run_dir)
+    record = {**contents.updates[0], "update_norm": contents.updates[0]["update_norm"] * 2}
+    lines[6] = encode({"kind": "update", "step": 1, "record": record}).rstrip(b"\n")
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(ConfigError, match=r"replaying step 1 gave update norm .* the run recorded"):
+        replay_run(run_dir, tmp_path / "out", progress=False)
+
+
 def test_a_header_from_another_config_is_refused_in_one_line(reference):
     result = copes_run("--population", "8", "--resume", str(reference))
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -351,3 +365,22 @@ def test_a_base_model_that_changed_is_refused(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     message = result.stderr.strip().splitlines()
     assert len(message) == 1 and f"the base model {model_dir} changed since the run started" in message[0], message
+
+
+# ---------------------------------------------------------------- the benchmark still runs
+
+
+def test_journal_bench_measures_a_real_run_and_a_bitwise_replay(monkeypatch):
+    """bench/journal_cost.py at a tiny size: the trainer's run, both resumes, copes-replay, and a 4-layer
+    Qwen3.5-architecture model journaled and replayed (the script asserts the replay is bitwise the run)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import common
+    import journal_cost
+
+    tiny, = journal_cost.measure_tiny(MODEL, steps=2, population=4, subspaces=2, prompt_batch=4)
+    assert 0 < tiny["journal_B_per_step"] < tiny["checkpoint_B"]
+    assert tiny["resume_journal_only_s"] > 0 and tiny["resume_from_checkpoint_s"] > 0
+    shape = common.LargeModelShape(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4)
+    large, = journal_cost.measure_large(shape, steps=1, population=4, subspaces=2, prompt_batch=2, prompt_tokens=4,
+                                        new_tokens=2)
+    assert large["journal_B_per_step"] > 0 and large["replay_s_per_step"] > 0
