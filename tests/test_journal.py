@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli_runs import FAST_FLAGS, MODEL, assert_same_weights, copes_run, final_weights, metrics_without_time
 from copes.config import ConfigError
-from copes.journal import JournalContents, JournalWriter, encode, journal_path, read_journal
+from copes.journal import JournalContents, JournalWriter, encode, journal_path, read_journal, resume_config
 from copes.modeling import resolve_model_path
 from copes.replay import replay_run, replay_steps
 from copes.strategies import CoPES
@@ -340,6 +340,15 @@ def test_a_replay_that_drifts_from_the_journal_is_refused(reference, tmp_path):
     path.write_bytes(b"\n".join(lines))
     with pytest.raises(ConfigError, match=r"replaying step 1 gave update norm .* the run recorded"):
         replay_run(run_dir, tmp_path / "out", progress=False)
+
+
+def test_resume_takes_the_runs_own_settings_and_lets_other_options_change(reference, tmp_path):
+    cfg = resume_config(reference, {}, {"steps": 5, "population": None})
+    assert (cfg.population, cfg.subspaces, cfg.sigma, cfg.steps, cfg.output_dir) == (4, 2, 0.03, 5, str(reference))
+    with pytest.raises(ConfigError, match=r"continues that run in its own directory; --output-dir .* names another"):
+        resume_config(reference, {}, {"output_dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"belongs to a different run: chunk_size=4096 there, 512 here"):
+        resume_config(reference, {"chunk_size": 512}, {})
 
 
 def test_a_header_from_another_config_is_refused_in_one_line(reference):
