@@ -39,6 +39,7 @@ setup(
             "copes-run=copes.cli:run_command",
             "copes-eval=copes.cli:eval_command",
             "copes-bench=copes.cli:bench_command",
+            "copes-replay=copes.cli:replay_command",
         ]
     },
     classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],

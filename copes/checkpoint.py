@@ -5,6 +5,9 @@ Layout of `<output_dir>/checkpoints/step-000010/`: the model through `save_pretr
 strategy's tensors and plain values), `trainer_state.json` (step, config, metrics so far) and `MANIFEST.json`
 (sha256 of every file). `checkpoints/latest` names the newest complete checkpoint; it is replaced atomically last,
 so a crash at any point leaves the previous checkpoint current.
+
+Checkpoints are exports: a run's durability rests on its journal (`copes.journal`). Resume starts from the newest
+intact checkpoint that carries the journal's `run_id` in trainer_state.json, only to shorten the replay.
 """
 
 from __future__ import annotations
@@ -105,6 +108,12 @@ def save_checkpoint(
     os.replace(staging, final)
     write_text_atomic(root / LATEST, name)
     return final
+
+
+def remove_partial_checkpoints(root: Path) -> None:
+    """Delete staging folders a crash left mid-write (a resumed run may never write that step again)."""
+    for staging in root.glob(".step-*.partial"):
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def find_checkpoint(path: str | Path) -> Path:

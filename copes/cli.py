@@ -1,4 +1,5 @@
-"""Command line: copes-run (train), copes-eval (benchmark a model), copes-bench (time one step by phase).
+"""Command line: copes-run (train), copes-eval (benchmark a model), copes-bench (time one step by phase),
+copes-replay (rebuild a step's weights from a run's journal).
 
 A user's mistake prints one sentence and exits with status 2; `--debug` shows the traceback instead.
 """
@@ -117,7 +118,7 @@ def _config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
 @click.command(context_settings=COMMAND_SETTINGS)
 @config_options()
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of options (flags override it)")
-@click.option("--resume", type=click.Path(), help="continue bit-exactly from a run dir or checkpoint")
+@click.option("--resume", type=click.Path(), help="continue a run dir bit-exactly with its own settings (from its journal)")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 @user_errors
 def run_command(config_file: str | None, resume: str | None, quiet: bool, **flags: Any) -> None:
@@ -125,7 +126,12 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     synthetic arithmetic task with CoPES, on the CPU, in a few minutes."""
     from copes.trainer import Trainer
 
-    cfg = _config(config_file, flags)
+    if resume:
+        from copes.journal import resume_config
+
+        cfg = resume_config(resume, read_yaml(config_file) if config_file else {}, flags)
+    else:
+        cfg = _config(config_file, flags)
     trainer = Trainer(cfg, progress=not quiet)
     if resume:
         trainer.resume(resume)
@@ -206,3 +212,19 @@ def bench_command(config_file: str | None, steps: int, **flags: Any) -> None:
         click.echo(f"{phase:<10} {seconds:9.3f} {100 * seconds / total:6.1f}%")
     click.echo(f"(rollout = generate {phases.get('generate', 0.0):.3f}s + tools {phases.get('tools', 0.0):.3f}s + scoring)")
     click.echo(f"engine overhead (perturb + restore + update): {100 * engine / total:.1f}% of step time")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--step", type=int, help="the step whose weights to rebuild (default: the journal's last)")
+@click.option("--output", required=True, type=click.Path(file_okay=False), help="save_pretrained folder to write")
+@click.option("--device", help="auto | cpu | cuda | cuda:N (default: the run's own; replay on the backend it ran on)")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+@user_errors
+def replay_command(run_dir: str, step: int | None, output: str, device: str | None, quiet: bool) -> None:
+    """Rebuild the weights of a run's step from its base model and journal alone (no generation) and write them
+    as a folder AutoModelForCausalLM.from_pretrained loads."""
+    from copes.replay import replay_run
+
+    steps, seconds = replay_run(run_dir, output, step=step, device=device, progress=not quiet)
+    click.echo(f"replayed {steps} steps in {seconds:.2f}s ({steps / max(seconds, 1e-9):.1f} steps/s) -> {output}")

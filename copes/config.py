@@ -22,6 +22,10 @@ from copes.errors import UserError
 PER_MEMBER_ALGORITHMS = ("copes", "es")
 LOWRANK_ALGORITHMS = ("eggroll", "copes-lowrank")
 SUBSPACE_ALGORITHMS = ("copes", "copes-lowrank")
+# Options that fix a run's trajectory: a resumed run must share them with the journal it continues.
+RESUME_KEYS = ("model", "task", "task_options", "algorithm", "population", "subspaces", "sigma", "lr", "rank",
+               "prompt_batch", "fitness", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens",
+               "tool_budgets", "tool_format", "template_kwargs")
 
 
 class ConfigError(UserError):
@@ -79,7 +83,7 @@ class TrainConfig:
     eval_split: str = _opt("validation", "split used for held-out accuracy (falls back to test if absent)")
     eval_size: int = _opt(200, "held-out questions evaluated before, during and after training")
     eval_every: int = _opt(0, "steps between held-out evaluations during training (0: only before and after)")
-    checkpoint_every: int = _opt(10, "steps between checkpoints (0: only at the end)")
+    checkpoint_every: int = _opt(0, "steps between checkpoint exports (0: only at the end); resume needs only the journal")
     output_dir: str = _opt("runs/copes", "where metrics, plots, summary and checkpoints go")
     budget_hours: float | None = _opt(None, "stop cleanly (checkpoint + summary) after this much wall time")
     dist_check_every: int = _opt(10, "with torchrun: steps between cross-rank weight checksum comparisons")

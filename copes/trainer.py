@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,17 +25,14 @@ from copes.distributed import (barrier, broadcast_value, check_in_sync, gather_m
                                members_for_rank)
 from copes.evaluation import evaluate
 from copes.failpoints import failpoint
+from copes.journal import JournalWriter, RunJournal, build_header, journal_path
 from copes.metrics import MetricsLog, PhaseTimer, peak_memory_bytes, plot_curves
-from copes.modeling import load_model
+from copes.modeling import load_model, resolve_model_path
+from copes.replay import replay_member, replays_members, resume_run
 from copes.rollout import AgentConfig
 from copes.scoring import rollout_rewards
 from copes.strategies.base import WHOLE_POPULATION
 from copes.tasks import Example
-
-# Options a checkpoint must share with the run that resumes it, or the continuation would not be that run.
-RESUME_KEYS = ("model", "task", "task_options", "algorithm", "population", "subspaces", "sigma", "lr", "rank",
-               "prompt_batch", "fitness", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens",
-               "tool_budgets", "tool_format", "template_kwargs")
 
 
 def batch_indices(step: int, batch: int, dataset_size: int, seed: int) -> list[int]:
@@ -85,6 +83,8 @@ class Trainer:
         self.agent = AgentConfig.for_task(self.task, **limits, **({"budgets": cfg.tool_budgets} if cfg.tool_budgets else {}))
         self.strategy = build_strategy(cfg, self.model)
         self.start_step, self.evals, self.eval_before = 0, [], None
+        self.journal: RunJournal | None = None  # opened by resume(), or started fresh by train()
+        self.saved_step: int | None = None  # the step of the newest checkpoint on disk
 
     def _eval_examples(self) -> list[Example]:
         if self.cfg.eval_size == 0:
@@ -114,19 +114,30 @@ class Trainer:
         are gathered, and every rank applies the same update."""
         world = (self.dist.rank, self.dist.world_size) if self.dist else (0, 1)
         mine = members_for_rank(self.cfg.population, *world)
-        if self.strategy.evaluation == WHOLE_POPULATION:  # EGGROLL family: one batched call for this rank's members
-            rewards = self.strategy.evaluate(lambda model, rows: self.rewards_for(model, examples, rows, mine), members=mine)
-            local = dict(zip(mine, rewards))
+        if self.journal is None:  # a caller driving steps itself (bench/step_overhead.py) journals them too
+            self.start_journal()
+        known = self.journal.recorded(step + 1)  # members scored before a crash are not rolled out again
+        if self.strategy.evaluation == WHOLE_POPULATION:  # EGGROLL family: one batched call for all of this rank's members
+            if any(member not in known for member in mine):  # the same call as uninterrupted, for the same numerics
+                rewards = self.strategy.evaluate(lambda model, rows: self.rewards_for(model, examples, rows, mine), members=mine)
+                self.journal.record_members(step + 1, dict(zip(mine, rewards)))
         else:
             self.strategy.plan()
             members = tqdm(mine, desc=f"step {step + 1} members", leave=False, disable=not (self.progress and self.is_main))
-            local = {member: self.evaluate_member(member, examples) for member in members}
+            for member in members:
+                if member not in known:
+                    self.journal.record_members(step + 1, {member: self.evaluate_member(member, examples)})
+                elif replays_members(self.cfg):
+                    replay_member(self.strategy, member, known[member])
+        local = {member: known[member] for member in mine}
         gathered = gather_member_rewards(local, self.cfg.population, step) if self.dist else [local[m] for m in mine]
+        self.journal.record_members(step + 1, dict(enumerate(gathered)))  # rank 0: the other ranks' members
         return self.strategy.apply_update(torch.stack(gathered))
 
     def evaluate_member(self, member: int, examples: list[Example]) -> torch.Tensor:
         """Rewards of one perturbed member; out of memory is retried with half the rollout batch when allowed."""
         def fitness(model: Any) -> list[float]:
+            failpoint("rollout")  # crash tests: die as the rollout starts; counted to find recomputed members
             rewards = self.rewards_for(model, examples)
             failpoint("member")  # crash tests: die while this member's perturbation is in the weights
             return rewards
@@ -155,7 +166,8 @@ class Trainer:
     def save(self, step: int) -> None:
         with self.timer("checkpoint"):
             if self.is_main:
-                state = {"step": step, "config": self.cfg.to_dict(), "eval_before": self.eval_before, "evals": self.evals}
+                state = {"step": step, "config": self.cfg.to_dict(), "eval_before": self.eval_before, "evals": self.evals,
+                         "run_id": self.journal.run_id}
                 ckpt.save_checkpoint(self.out / "checkpoints", step, model=self.model, tokenizer=self.tokenizer,
                                      es_state=self.strategy.state_dict(), trainer_state=state)
             if self.dist:
@@ -167,16 +179,27 @@ class Trainer:
         return broadcast_value(over, step) if self.dist else over  # rank 0's clock decides for everyone
 
     def resume(self, path: str) -> None:
-        folder = ckpt.find_checkpoint(path)
-        es_state, state = ckpt.load_checkpoint(folder)
-        mine, theirs = self.cfg.to_dict(), state["config"]
-        for key in RESUME_KEYS:
-            if mine[key] != theirs.get(key):
-                raise ConfigError(f"--resume {path} belongs to a different run: {key}={theirs.get(key)!r} there, {mine[key]!r} here")
-        weights = type(self.model).from_pretrained(folder, dtype=self.model.dtype).state_dict()
-        self.model.load_state_dict(weights, strict=False)
-        self.strategy.load_state_dict(es_state)
-        self.start_step, self.evals, self.eval_before = state["step"], state["evals"], state["eval_before"]
+        """Continue the run journaled in `path`: its newest checkpoint (or the base model) plus a replay of every
+        journaled update after it; members already scored in the step in progress are not rolled out again."""
+        resumed = resume_run(path, self.cfg, self.model, self.strategy, writer=self.is_main,
+                             progress=self.progress and self.is_main)
+        self.journal, self.start_step = resumed.journal, resumed.contents.steps_done
+        self.eval_before, self.saved_step = resumed.contents.eval_before, resumed.checkpoint_step
+        self.evals = resumed.contents.evals(self.start_step)
+        if self.is_main:  # the journal holds every finished step's metrics record, whatever metrics.jsonl kept
+            records = resumed.contents.updates
+            ckpt.write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+
+    def start_journal(self) -> None:
+        """A fresh journal for a new run (rank 0 writes it; the other ranks only keep the in-memory view)."""
+        run_id = uuid.uuid4().hex
+        if self.dist:
+            run_id = broadcast_value(run_id, step=0)
+        writer = None
+        if self.is_main:
+            header = build_header(self.cfg, self.model, self.strategy, resolve_model_path(self.cfg.model), run_id=run_id)
+            writer = JournalWriter.create(journal_path(self.out), header)
+        self.journal = RunJournal(run_id, writer)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -185,9 +208,12 @@ class Trainer:
         self.peaks_at_start = peak_memory_bytes(self.device)
         metrics = MetricsLog(self.out / "metrics.jsonl" if self.is_main else None, keep_through_step=self.start_step,
                              tensorboard=cfg.tensorboard)
+        if self.journal is None:
+            self.start_journal()
         if self.eval_before is None:
             self.eval_before = self.held_out(step=0)
-        stopped_by, step, self.saved_step = "steps", self.start_step, self.start_step
+            self.journal.record_eval_before(self.eval_before)
+        stopped_by, step = "steps", self.start_step
         bar = tqdm(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}", initial=self.start_step,
                    total=cfg.steps, disable=not (self.progress and self.is_main))
         for step in bar:
@@ -200,6 +226,7 @@ class Trainer:
                       "time": {k: round(v - phase_before.get(k, 0.0), 4) for k, v in self.timer.seconds.items()}}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 record["eval"] = self.held_out(step + 1)
+            self.journal.record_update(step + 1, record)
             metrics.append(record)
             bar.set_postfix(reward=f"{stats.mean_reward:.3f}", best=f"{stats.max_reward:.3f}")
             if self.dist and (step + 1) % cfg.dist_check_every == 0:

@@ -1,0 +1,142 @@
+"""Rebuilding weights from a journal: resume after a crash, and `copes-replay`.
+
+A journaled step is replayed by handing its recorded rewards to the strategy's own `apply_update`, which
+regenerates the noise from the seeds: no rollouts, and the fp32 masters, stochastic rounding and Adam moments
+evolve exactly as they did in the run. One exception: `--restore subtract` undoes a perturbation only up to
+rounding, so every member's perturb + subtract left its trace in the weights; that mode replays each member's
+perturbation and restore too (still without rolling out). Each replayed update's norm must equal the journaled
+one bit for bit, so a journal replayed on another backend or copes version fails loudly instead of drifting.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from copes import checkpoint as ckpt
+from copes.config import ConfigError, TrainConfig
+from copes.journal import JournalContents, JournalWriter, RunJournal, check_same_model, check_same_run, read_journal
+
+
+def replays_members(cfg: TrainConfig) -> bool:
+    """Whether evaluating a member changes the weights after its restore (only inexact subtract restore does)."""
+    return cfg.algorithm in ("copes", "es") and cfg.restore == "subtract"
+
+
+def replay_member(strategy: Any, member: int, rewards: torch.Tensor) -> None:
+    """Perturb and restore `member` as its evaluation did, answering with its journaled rewards."""
+    strategy.evaluate_member(member, lambda _model: rewards)
+
+
+def replay_steps(strategy: Any, contents: JournalContents, first: int, last: int, *, with_members: bool,
+                 progress: bool) -> None:
+    """Apply the journaled updates of steps first..last (counted from 1) to a strategy that completed first - 1."""
+    for step in tqdm(range(first, last + 1), desc="replaying journal", disable=not progress, leave=False):
+        rewards = contents.rewards_of(step)
+        if with_members:
+            for member in range(contents.population):
+                replay_member(strategy, member, rewards[member])
+        norm, journaled = strategy.apply_update(rewards).update_norm, contents.updates[step - 1]["update_norm"]
+        if norm != journaled:
+            raise ConfigError(f"{contents.path}: replaying step {step} gave update norm {norm!r}, the run recorded "
+                              f"{journaled!r}: it ran on another device or backend, or another copes version")
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    folder: Path
+    es_state: dict[str, Any]
+
+
+def newest_checkpoint(run_dir: Path, run_id: str, steps_done: int) -> Checkpoint | None:
+    """The newest complete, intact checkpoint this run wrote (a previous run's in the same folder are ignored)."""
+    candidates = sorted((run_dir / "checkpoints").glob("step-*"), reverse=True)
+    for folder in candidates:
+        try:  # cheap look first: only this run's checkpoints are worth verifying
+            state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            state = {}
+        if state.get("run_id") != run_id:
+            continue
+        try:
+            es_state, state = ckpt.load_checkpoint(folder)
+        except ConfigError as error:
+            tqdm.write(f"warning: skipping {folder}: {error}")
+            continue
+        if state["step"] > steps_done:
+            raise ConfigError(f"{run_dir}: checkpoint step {state['step']} is newer than the journal's last update "
+                              f"(step {steps_done}): the journal lost records")
+        return Checkpoint(step=state["step"], folder=folder, es_state=es_state)
+    return None
+
+
+def load_checkpoint_into(checkpoint: Checkpoint, model: torch.nn.Module, strategy: Any) -> None:
+    weights = type(model).from_pretrained(checkpoint.folder, dtype=model.dtype).state_dict()
+    model.load_state_dict(weights, strict=False)
+    strategy.load_state_dict(checkpoint.es_state)
+
+
+@dataclass
+class Resumed:
+    journal: RunJournal
+    contents: JournalContents
+    checkpoint_step: int | None  # the step of the checkpoint replay started from (None: the base model)
+
+
+def resume_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, strategy: Any, *, writer: bool,
+               progress: bool) -> Resumed:
+    """Check the journal against this run, load its newest checkpoint (or keep the base model, which the model
+    must still be), replay every journaled update after it, and open the journal for appending (`writer`: rank 0)."""
+    run_dir = Path(run_dir)
+    contents = read_journal(run_dir)
+    check_same_run(run_dir, contents.header, cfg)
+    check_same_model(run_dir, contents.header, model, strategy)
+    checkpoint = newest_checkpoint(run_dir, contents.header["run_id"], contents.steps_done)
+    if checkpoint is not None:
+        load_checkpoint_into(checkpoint, model, strategy)
+    start = checkpoint.step if checkpoint else 0
+    replay_steps(strategy, contents, start + 1, contents.steps_done, with_members=replays_members(cfg), progress=progress)
+    if writer:
+        ckpt.remove_partial_checkpoints(run_dir / "checkpoints")
+    next_step = contents.steps_done + 1
+    journal = RunJournal(contents.header["run_id"],
+                         JournalWriter(contents.path, keep_bytes=contents.valid_bytes) if writer else None,
+                         {next_step: dict(contents.members.get(next_step, {}))})
+    return Resumed(journal=journal, contents=contents, checkpoint_step=checkpoint.step if checkpoint else None)
+
+
+def replay_run(run_dir: str | Path, output: str | Path, *, step: int | None = None, device: str | None = None,
+               progress: bool = True) -> tuple[int, float]:
+    """Rebuild the weights of `step` (default: the last) from the base model and the journal alone and write a
+    save_pretrained folder; returns (steps replayed, seconds)."""
+    from copes.components import build_strategy
+    from copes.config import FIELD_NAMES, build_config
+    from copes.modeling import load_model
+
+    run_dir = Path(run_dir)
+    contents = read_journal(run_dir)
+    target = contents.steps_done if step is None else step
+    if not 0 <= target <= contents.steps_done:
+        raise ConfigError(f"--step {step} is outside the journal of {run_dir}, which holds steps 0..{contents.steps_done}")
+    saved = {k: v for k, v in contents.header["config"].items() if k in FIELD_NAMES}
+    cfg = build_config(saved, {"device": device})
+    model, tokenizer, _ = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    strategy = build_strategy(cfg, model)
+    check_same_model(run_dir, contents.header, model, strategy)
+    started = time.perf_counter()
+    replay_steps(strategy, contents, 1, target, with_members=replays_members(cfg), progress=progress)
+    seconds = time.perf_counter() - started
+    try:
+        Path(output).mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(output, safe_serialization=True)
+        tokenizer.save_pretrained(output)
+    except OSError as error:
+        raise ConfigError(f"cannot write {output}: {error.strerror or error}") from None
+    return target, seconds
