@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import (LargeModelShape, add_large_model_arguments, build_large_model, greedy_log_likelihood,
-                    large_model_shape, machine_note, parameter_count, pin_one_thread, random_prompts, report,
-                    train_config)
+from harness import machine_note, pin_one_thread, report
+from models import (LargeModelShape, add_large_model_arguments, build_large_model, greedy_log_likelihood,
+                    large_model_shape, parameter_count, random_prompts, train_config)
 from safetensors.torch import save_file
 
 import copes

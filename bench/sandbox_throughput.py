@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-from common import alternating_best_seconds, machine_note, report
+from harness import alternating_best_seconds, machine_note, report
 
 from copes.tools import PythonSandbox
 

@@ -384,13 +384,13 @@ def test_journal_bench_measures_a_real_run_and_a_bitwise_replay(monkeypatch):
     """bench/journal_cost.py at a tiny size: the trainer's run, both resumes, copes-replay, and a 4-layer
     Qwen3.5-architecture model journaled and replayed (the script asserts the replay is bitwise the run)."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    import common
     import journal_cost
+    import models
 
     tiny, = journal_cost.measure_tiny(MODEL, steps=2, population=4, subspaces=2, prompt_batch=4)
     assert 0 < tiny["journal_B_per_step"] < tiny["checkpoint_B"]
     assert tiny["resume_journal_only_s"] > 0 and tiny["resume_from_checkpoint_s"] > 0
-    shape = common.LargeModelShape(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4)
+    shape = models.LargeModelShape(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4)
     large, = journal_cost.measure_large(shape, steps=1, population=4, subspaces=2, prompt_batch=2, prompt_tokens=4,
                                         new_tokens=2)
     assert large["journal_B_per_step"] > 0 and large["replay_s_per_step"] > 0
