@@ -23,6 +23,7 @@ on a machine compiles.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -496,8 +497,18 @@ def _bit_array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.view(_BIT_VIEWS[tensor.element_size()]).numpy()
 
 
+@functools.cache
+def _start_thread_pool() -> None:
+    """Start numba's pool once. With the OpenMP layer that resets the OpenMP thread count torch shares, so torch's
+    setting (e.g. `--cpu-threads 1`) is put back."""
+    torch_threads = torch.get_num_threads()
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    torch.set_num_threads(torch_threads)
+
+
 def use_torch_threads() -> int:
     """Run the parallel loops on as many threads as torch may use (numba's pool is the cap)."""
+    _start_thread_pool()
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
