@@ -453,13 +453,11 @@ def _philox_kernel(out, counters, keys):
 def _copy_runs_kernel(chunked, packed, starts, stops, packed_starts, to_packed):
     """Raw copies of local runs of `chunked` to / from their packed positions (integer views: exact bits)."""
     for r in prange(starts.size):
-        shift = packed_starts[r] - starts[r]
+        packed_stop = packed_starts[r] + stops[r] - starts[r]
         if to_packed:
-            for i in range(starts[r], stops[r]):
-                packed[i + shift] = chunked[i]
+            packed[packed_starts[r] : packed_stop] = chunked[starts[r] : stops[r]]
         else:
-            for i in range(starts[r], stops[r]):
-                chunked[i] = packed[i + shift]
+            chunked[starts[r] : stops[r]] = packed[packed_starts[r] : packed_stop]
 
 
 @numba.njit(parallel=True, **JIT)
