@@ -510,6 +510,8 @@ _BIT_VIEWS = {2: torch.int16, 4: torch.int32}
 
 def _kernel_array(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view (shared memory) of a contiguous float storage tensor, in the kernels' element type."""
+    if tensor.dtype == torch.float32:
+        return tensor.numpy()
     return tensor.view(_KERNEL_VIEWS[tensor.dtype]).numpy()
 
 
