@@ -58,7 +58,7 @@ def backend_for(device: torch.device | str | None) -> str:
     choice = os.environ.get("COPES_BACKEND", "auto").strip().lower() or "auto"
     if choice not in BACKENDS:
         raise ValueError(f"COPES_BACKEND must be one of {BACKENDS}, got {choice!r}")
-    device_type = "cpu" if device is None else torch.device(device).type
+    device_type = "cpu" if device is None else (device if isinstance(device, torch.device) else torch.device(device)).type
     if choice == "auto":
         if device_type == "cuda" and triton_available():
             return "triton"
@@ -82,6 +82,12 @@ def _triton_module(name: str, device: torch.device | str | None) -> ModuleType:
     return importlib.import_module(module_name)
 
 
+@functools.cache
+def _compiled_cpu_op(name: str) -> Callable[..., Any]:
+    """The compiled CPU twin of op `name` (imported on first use: numba loads only if a CPU op runs)."""
+    return getattr(importlib.import_module(CPU_MODULE), name)
+
+
 def dispatched(name: str, device_of: Callable[..., torch.device | str | None]) -> Callable[..., Any]:
     """The public op `name`: routes each call to the Triton launcher or the reference twin."""
     reference_op = getattr(reference, name)
@@ -93,7 +99,7 @@ def dispatched(name: str, device_of: Callable[..., torch.device | str | None]) -
         if backend == "reference":
             return reference_op(*args, **kwargs)
         if backend == "cpu":
-            return getattr(importlib.import_module(CPU_MODULE), name)(*args, **kwargs)
+            return _compiled_cpu_op(name)(*args, **kwargs)
         return getattr(_triton_module(name, device), name)(*args, **kwargs)
 
     return op

@@ -363,8 +363,20 @@ def _tile_table(starts, stops, offset):
     return tile_starts, tile_stops, tile_runs
 
 
+@numba.njit(**JIT)
+def _owner_runs(numel, offset, chunk_size, chunk_owner, partitioned, subspace):
+    """Local [start, stop) of the slice's chunks owned by `subspace` (without a partition: the whole slice)."""
+    starts, stops, _, _ = _selected_runs(numel, offset, chunk_size, chunk_owner, partitioned,
+                                         np.full(1, subspace, np.int64))
+    return starts, stops
+
+
 @numba.njit(parallel=True, **JIT)
-def _perturb_kernel(dst, src, tile_starts, tile_stops, offset, sigma, member, tensor_id, key0, key1):
+def _perturb_kernel(
+    dst, src, chunk_owner, partitioned, subspace, chunk_size, offset, sigma, member, tensor_id, key0, key1
+):
+    run_starts, run_stops = _owner_runs(dst.size, offset, chunk_size, chunk_owner, partitioned, subspace)
+    tile_starts, tile_stops, _ = _tile_table(run_starts, run_stops, offset)
     sigma = _F(sigma)
     for t in prange(tile_starts.size):
         start, stop = tile_starts[t], tile_stops[t]
@@ -379,9 +391,14 @@ def _perturb_kernel(dst, src, tile_starts, tile_stops, offset, sigma, member, te
 
 @numba.njit(parallel=True, **JIT)
 def _accumulate_kernel(
-    target, tile_starts, tile_stops, tile_runs, run_lows, run_highs, members, coeffs, offset, stochastic, tensor_id,
+    target, chunk_owner, partitioned, chunk_size, member_owners, members, coeffs, offset, stochastic, tensor_id,
     key0, key1,
 ):
+    """Members sorted by owning subspace (`member_owners`, ascending): a tile adds its subspace's segment."""
+    run_starts, run_stops, run_lows, run_highs = _selected_runs(
+        target.size, offset, chunk_size, chunk_owner, partitioned, member_owners
+    )
+    tile_starts, tile_stops, tile_runs = _tile_table(run_starts, run_stops, offset)
     for t in prange(tile_starts.size):
         start, stop, run = tile_starts[t], tile_stops[t], tile_runs[t]
         first_block = (offset + start) >> 2
@@ -449,15 +466,37 @@ def _philox_kernel(out, counters, keys):
         out[e, 2], out[e, 3] = np.int64(words[2]), np.int64(words[3])
 
 
+@numba.njit(**JIT)
+def _packed_runs(numel, offset, chunk_size, chunk_owner, subspace):
+    """`subspace`'s local runs, where each starts in the packed copy, and the packed size."""
+    starts, stops = _owner_runs(numel, offset, chunk_size, chunk_owner, True, subspace)
+    packed_starts = np.empty(starts.size, np.int64)
+    size = 0
+    for r in range(starts.size):
+        packed_starts[r] = size
+        size += stops[r] - starts[r]
+    return starts, stops, packed_starts, size
+
+
 @numba.njit(parallel=True, **JIT)
-def _copy_runs_kernel(chunked, packed, starts, stops, packed_starts, to_packed):
-    """Raw copies of local runs of `chunked` to / from their packed positions (integer views: exact bits)."""
+def _backup_kernel(chunked, chunk_owner, subspace, chunk_size, offset):
+    """A new packed copy of `subspace`'s runs (integer views: exact bits)."""
+    starts, stops, packed_starts, size = _packed_runs(chunked.size, offset, chunk_size, chunk_owner, subspace)
+    packed = np.empty(size, chunked.dtype)
     for r in prange(starts.size):
-        packed_stop = packed_starts[r] + stops[r] - starts[r]
-        if to_packed:
-            packed[packed_starts[r] : packed_stop] = chunked[starts[r] : stops[r]]
-        else:
-            chunked[starts[r] : stops[r]] = packed[packed_starts[r] : packed_stop]
+        packed[packed_starts[r] : packed_starts[r] + stops[r] - starts[r]] = chunked[starts[r] : stops[r]]
+    return packed
+
+
+@numba.njit(parallel=True, **JIT)
+def _restore_kernel(chunked, packed, chunk_owner, subspace, chunk_size, offset):
+    """Write a packed copy back into `subspace`'s runs; returns the size it needs (and writes nothing if `packed`
+    does not have it)."""
+    starts, stops, packed_starts, size = _packed_runs(chunked.size, offset, chunk_size, chunk_owner, subspace)
+    if packed.size == size:
+        for r in prange(starts.size):
+            chunked[starts[r] : stops[r]] = packed[packed_starts[r] : packed_starts[r] + stops[r] - starts[r]]
+    return size
 
 
 # Rows per parallel job of the low-rank correction: its buffers are allocated once per job, not once per row.
@@ -544,11 +583,9 @@ def _key(seed: int) -> tuple[np.uint64, np.uint64]:
 _NO_PARTITION = np.empty(0, np.int16)
 
 
-def _runs(
-    numel: int, *, offset: int, chunk_subspace: torch.Tensor | None, sorted_owners: np.ndarray, chunk_size: int
-) -> tuple[np.ndarray, ...]:
-    chunk_owner = _NO_PARTITION if chunk_subspace is None else chunk_subspace.numpy()
-    return _selected_runs(numel, offset, chunk_size, chunk_owner, chunk_subspace is not None, sorted_owners)
+def _chunk_owner(chunk_subspace: torch.Tensor | None) -> tuple[np.ndarray, bool]:
+    """The partition as the kernels take it: (chunk -> subspace array, whether there is one)."""
+    return (_NO_PARTITION, False) if chunk_subspace is None else (chunk_subspace.numpy(), True)
 
 
 def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -599,15 +636,13 @@ def perturb_(
     )
     if dst.numel() == 0:
         return dst
-    owners = np.array([0 if subspace is None else int(subspace)], np.int64)
-    starts, stops, _, _ = _runs(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, sorted_owners=owners,
-                                chunk_size=chunk_size)
-    tile_starts, tile_stops, _ = _tile_table(starts, stops, offset)
     flat_dst = _kernel_array(dst.view(-1))
     flat_src = flat_dst if src is None else _kernel_array(src.reshape(-1))
     use_torch_threads()
-    _perturb_kernel(flat_dst, flat_src, tile_starts, tile_stops, offset, float(sigma), _U64(member), _U64(tensor_id),
-                    *_key(seed))
+    _perturb_kernel(
+        flat_dst, flat_src, *_chunk_owner(chunk_subspace), 0 if subspace is None else int(subspace), chunk_size,
+        offset, float(sigma), _U64(member), _U64(tensor_id), *_key(seed),
+    )
     return dst
 
 
@@ -639,30 +674,13 @@ def accumulate_(
     if subspaces_t is None:
         subspaces_t = torch.zeros_like(members_t)
     order = torch.argsort(subspaces_t, stable=True)  # members of one subspace form one segment
-    starts, stops, lows, highs = _runs(
-        target.numel(), offset=offset, chunk_subspace=chunk_subspace, sorted_owners=subspaces_t[order].numpy(),
-        chunk_size=chunk_size,
-    )
-    tile_starts, tile_stops, tile_runs = _tile_table(starts, stops, offset)
     use_torch_threads()
     _accumulate_kernel(
-        _kernel_array(target.view(-1)), tile_starts, tile_stops, tile_runs, lows, highs, members_t[order].numpy(),
-        coeffs_t[order].numpy(), offset, rounding == "stochastic", _U64(tensor_id), *_key(seed),
+        _kernel_array(target.view(-1)), *_chunk_owner(chunk_subspace), chunk_size, subspaces_t[order].numpy(),
+        members_t[order].numpy(), coeffs_t[order].numpy(), offset, rounding == "stochastic", _U64(tensor_id),
+        *_key(seed),
     )
     return target
-
-
-def _packed_runs(
-    chunked: torch.Tensor, *, offset: int, chunk_subspace: torch.Tensor, subspace: int, chunk_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Local runs of `subspace`'s chunks, where each starts in the packed copy, and the packed size."""
-    if chunked.numel() == 0:
-        empty = np.empty(0, np.int64)
-        return empty, empty, empty, 0
-    starts, stops, _, _ = _runs(chunked.numel(), offset=offset, chunk_subspace=chunk_subspace,
-                                sorted_owners=np.array([int(subspace)], np.int64), chunk_size=chunk_size)
-    ends = np.cumsum(stops - starts)
-    return starts, stops, ends - (stops - starts), int(ends[-1]) if ends.size else 0
 
 
 def backup_chunks(
@@ -676,14 +694,11 @@ def backup_chunks(
     """A packed 1-D copy of the elements in `subspace`'s chunks (1/K of the tensor), in element order."""
     v.check_storage("src", src)
     v.check_chunking(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
-    starts, stops, packed_starts, size = _packed_runs(
-        src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size
-    )
-    packed = src.new_empty(size)
-    if size:
-        use_torch_threads()
-        _copy_runs_kernel(_bit_array(src.view(-1)), _bit_array(packed), starts, stops, packed_starts, True)
-    return packed
+    if src.numel() == 0:
+        return src.new_empty(0)
+    use_torch_threads()
+    packed = _backup_kernel(_bit_array(src.view(-1)), chunk_subspace.numpy(), int(subspace), chunk_size, offset)
+    return torch.from_numpy(packed).view(src.dtype)
 
 
 def restore_chunks_(
@@ -698,14 +713,15 @@ def restore_chunks_(
     """Write a `backup_chunks` copy back into its chunks: the exact inverse, bit for bit."""
     v.check_restore_args(dst, backup, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
                          chunk_size=chunk_size)
-    starts, stops, packed_starts, size = _packed_runs(
-        dst, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size
+    if dst.numel() == 0:
+        v.check_backup_size(backup, expected=0, subspace=subspace)
+        return dst
+    use_torch_threads()
+    needed = _restore_kernel(
+        _bit_array(dst.view(-1)), _bit_array(backup.reshape(-1)), chunk_subspace.numpy(), int(subspace), chunk_size,
+        offset,
     )
-    v.check_backup_size(backup, expected=size, subspace=subspace)
-    if size:
-        use_torch_threads()
-        packed = backup.reshape(-1).contiguous()
-        _copy_runs_kernel(_bit_array(dst.view(-1)), _bit_array(packed), starts, stops, packed_starts, False)
+    v.check_backup_size(backup, expected=needed, subspace=subspace)  # the kernel wrote nothing if this fails
     return dst
 
 

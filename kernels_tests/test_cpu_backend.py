@@ -98,9 +98,15 @@ def test_compiled_transcendentals_are_within_two_float32_ulps() -> None:
         assert np.max(np.abs(got - exact)) <= 2 * 2.0**-24  # two ulps of values in [0.5, 1)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("numel, offset, chunk_size", CASES)
-@pytest.mark.parametrize("partitioned", [False, True], ids=["whole", "subspace"])
+def on_suite_cases(test: Callable[..., None]) -> Callable[..., None]:
+    """Every dtype x every (size, offset, chunk size) case x whole tensor / one subspace."""
+    for name, values, ids in (("dtype", DTYPES, str), ("numel, offset, chunk_size", CASES, None),
+                              ("partitioned", [False, True], ["whole", "subspace"])):
+        test = pytest.mark.parametrize(name, values, ids=ids)(test)
+    return test
+
+
+@on_suite_cases
 def test_perturb_matches_the_reference(
     dtype: torch.dtype, numel: int, offset: int, chunk_size: int, partitioned: bool
 ) -> None:
@@ -141,9 +147,7 @@ COEFFS = [0.25, -1.0, 0.5, 2.0, -0.125]
 MEMBER_SUBSPACES = [0, 2, 0, 1, 2]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("numel, offset, chunk_size", CASES)
-@pytest.mark.parametrize("partitioned", [False, True], ids=["whole", "subspace"])
+@on_suite_cases
 def test_accumulate_matches_the_reference(
     dtype: torch.dtype, numel: int, offset: int, chunk_size: int, partitioned: bool
 ) -> None:
