@@ -53,11 +53,18 @@ def numba_available() -> bool:
     return _importable("numba")
 
 
-def backend_for(device: torch.device | str | None) -> str:
-    """'triton', 'cpu' or 'reference' for data on `device`, honouring COPES_BACKEND."""
-    choice = os.environ.get("COPES_BACKEND", "auto").strip().lower() or "auto"
+@functools.cache
+def _backend_choice(setting: str) -> str:
+    """COPES_BACKEND's value, normalised and checked (cached: the dispatcher reads it on every call)."""
+    choice = setting.strip().lower() or "auto"
     if choice not in BACKENDS:
         raise ValueError(f"COPES_BACKEND must be one of {BACKENDS}, got {choice!r}")
+    return choice
+
+
+def backend_for(device: torch.device | str | None) -> str:
+    """'triton', 'cpu' or 'reference' for data on `device`, honouring COPES_BACKEND."""
+    choice = _backend_choice(os.environ.get("COPES_BACKEND", "auto"))
     device_type = "cpu" if device is None else (device if isinstance(device, torch.device) else torch.device(device)).type
     if choice == "auto":
         if device_type == "cuda" and triton_available():

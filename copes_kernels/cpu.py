@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Sequence
 
 import numba
@@ -218,6 +219,12 @@ def _philox(q, member, tensor_id, key0, key1):
 
 
 @numba.njit(inline="always", **JIT)
+def _as_words(tensor_id, key0, key1):
+    """Stream ids passed as int64 -> uint64 (mixing signed and unsigned integers would give float64 in numba)."""
+    return _U64(tensor_id), _U64(key0), _U64(key1)
+
+
+@numba.njit(inline="always", **JIT)
 def _uniform(word):
     return _F(word >> _SHIFT8) * _SCALE + _HALF_STEP
 
@@ -377,7 +384,8 @@ def _perturb_kernel(
 ):
     run_starts, run_stops = _owner_runs(dst.size, offset, chunk_size, chunk_owner, partitioned, subspace)
     tile_starts, tile_stops, _ = _tile_table(run_starts, run_stops, offset)
-    sigma = _F(sigma)
+    sigma, member = _F(sigma), _U64(member)
+    tensor_id, key0, key1 = _as_words(tensor_id, key0, key1)
     for t in prange(tile_starts.size):
         start, stop = tile_starts[t], tile_stops[t]
         first_block = (offset + start) >> 2
@@ -399,6 +407,7 @@ def _accumulate_kernel(
         target.size, offset, chunk_size, chunk_owner, partitioned, member_owners
     )
     tile_starts, tile_stops, tile_runs = _tile_table(run_starts, run_stops, offset)
+    tensor_id, key0, key1 = _as_words(tensor_id, key0, key1)
     for t in prange(tile_starts.size):
         start, stop, run = tile_starts[t], tile_stops[t], tile_runs[t]
         first_block = (offset + start) >> 2
@@ -426,6 +435,7 @@ def _accumulate_kernel(
 def _store_stochastic_kernel(dst, values, offset, tensor_id, key0, key1):
     """dst[i] = stochastic rounding of float32 values[i] with the uniforms of element offset + i."""
     tiles = (offset + dst.size - 1) // TILE - offset // TILE + 1
+    tensor_id, key0, key1 = _as_words(tensor_id, key0, key1)
     for t in prange(tiles):
         start = max((offset // TILE + t) * TILE - offset, 0)
         stop = min((offset // TILE + t + 1) * TILE - offset, dst.size)
@@ -443,6 +453,7 @@ def _normal_rows_kernel(out, members, offset, tensor_id, key0, key1):
     """out[p, i] = eps_{members[p]}(offset + i) for every row p of a 2-D float32 array."""
     n = out.shape[1]
     tiles_per_row = (offset + n - 1) // TILE - offset // TILE + 1
+    tensor_id, key0, key1 = _as_words(tensor_id, key0, key1)
     for job in prange(out.shape[0] * tiles_per_row):
         row, t = job // tiles_per_row, job % tiles_per_row
         start = max((offset // TILE + t) * TILE - offset, 0)
@@ -544,7 +555,6 @@ def _lowrank_correction_kernel(out, x, A, B, row_slot, tokens, scale):
 
 # numba cannot hold 16-bit floats: their bits travel as integers, bfloat16 as uint16 and float16 as int16.
 _KERNEL_VIEWS = {torch.float32: torch.float32, torch.bfloat16: torch.uint16, torch.float16: torch.int16}
-_BIT_VIEWS = {2: torch.int16, 4: torch.int32}
 
 
 def _kernel_array(tensor: torch.Tensor) -> np.ndarray:
@@ -552,10 +562,6 @@ def _kernel_array(tensor: torch.Tensor) -> np.ndarray:
     if tensor.dtype == torch.float32:
         return tensor.numpy()
     return tensor.view(_KERNEL_VIEWS[tensor.dtype]).numpy()
-
-
-def _bit_array(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.view(_BIT_VIEWS[tensor.element_size()]).numpy()
 
 
 @functools.cache
@@ -567,17 +573,24 @@ def _start_thread_pool() -> None:
     torch.set_num_threads(torch_threads)
 
 
+# numba's thread count is per calling thread; remembering the last one set skips numba's (locking) getter.
+_calling_thread = threading.local()
+
+
 def use_torch_threads() -> int:
     """Run the parallel loops on as many threads as torch may use (numba's pool is the cap)."""
     _start_thread_pool()
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if numba.get_num_threads() != threads:
+    if getattr(_calling_thread, "threads", None) != threads:
         numba.set_num_threads(threads)
+        _calling_thread.threads = threads
     return threads
 
 
-def _key(seed: int) -> tuple[np.uint64, np.uint64]:
-    return _U64(int(seed) & MASK32), _U64(int(seed) >> 32)
+def _key(seed: int) -> tuple[int, int]:
+    """The Philox key words of `seed`. Stream ids reach the kernels as Python ints (cheaper to pass than numpy
+    scalars) and become uint64 there (`_as_words`)."""
+    return int(seed) & MASK32, int(seed) >> 32
 
 
 _NO_PARTITION = np.empty(0, np.int16)
@@ -604,7 +617,7 @@ def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 def _normal_rows(out: torch.Tensor, members: Sequence[int], *, seed: int, tensor_id: int, offset: int) -> None:
     if out.numel():
         use_torch_threads()
-        _normal_rows_kernel(out.numpy(), np.asarray(members, np.int64), offset, _U64(tensor_id), *_key(seed))
+        _normal_rows_kernel(out.numpy(), np.asarray(members, np.int64), offset, int(tensor_id), *_key(seed))
 
 
 def normal(
@@ -641,7 +654,7 @@ def perturb_(
     use_torch_threads()
     _perturb_kernel(
         flat_dst, flat_src, *_chunk_owner(chunk_subspace), 0 if subspace is None else int(subspace), chunk_size,
-        offset, float(sigma), _U64(member), _U64(tensor_id), *_key(seed),
+        offset, float(sigma), int(member), int(tensor_id), *_key(seed),
     )
     return dst
 
@@ -677,7 +690,7 @@ def accumulate_(
     use_torch_threads()
     _accumulate_kernel(
         _kernel_array(target.view(-1)), *_chunk_owner(chunk_subspace), chunk_size, subspaces_t[order].numpy(),
-        members_t[order].numpy(), coeffs_t[order].numpy(), offset, rounding == "stochastic", _U64(tensor_id),
+        members_t[order].numpy(), coeffs_t[order].numpy(), offset, rounding == "stochastic", int(tensor_id),
         *_key(seed),
     )
     return target
@@ -697,7 +710,8 @@ def backup_chunks(
     if src.numel() == 0:
         return src.new_empty(0)
     use_torch_threads()
-    packed = _backup_kernel(_bit_array(src.view(-1)), chunk_subspace.numpy(), int(subspace), chunk_size, offset)
+    # Slice copies move raw bits, NaN payloads included, in any element type.
+    packed = _backup_kernel(_kernel_array(src.view(-1)), chunk_subspace.numpy(), int(subspace), chunk_size, offset)
     return torch.from_numpy(packed).view(src.dtype)
 
 
@@ -718,7 +732,7 @@ def restore_chunks_(
         return dst
     use_torch_threads()
     needed = _restore_kernel(
-        _bit_array(dst.view(-1)), _bit_array(backup.reshape(-1)), chunk_subspace.numpy(), int(subspace), chunk_size,
+        _kernel_array(dst.view(-1)), _kernel_array(backup.view(-1)), chunk_subspace.numpy(), int(subspace), chunk_size,
         offset,
     )
     v.check_backup_size(backup, expected=needed, subspace=subspace)  # the kernel wrote nothing if this fails
@@ -788,7 +802,7 @@ def store_stochastic_(
     if dst.numel():
         use_torch_threads()
         _store_stochastic_kernel(
-            _kernel_array(dst.view(-1)), values.contiguous().view(-1).numpy(), offset, _U64(tensor_id), *_key(seed)
+            _kernel_array(dst.view(-1)), values.contiguous().view(-1).numpy(), offset, int(tensor_id), *_key(seed)
         )
     return dst
 
