@@ -5,7 +5,7 @@ Same contract and signatures as `reference.py` (the oracle it is tested against)
     words   : Philox4x32-10 in uint64 registers (exact 32x32 -> 64-bit products), bit-identical to `rng.py`
     normals : u = (x >> 8) 2^-24 + 2^-25 in float32, then Box-Muller with float32 log / sin / cos written out as
               Cephes polynomials (plain + and *, so the loop vectorises and every element gets the same bits on
-              any core, in any lane, for any thread count); within ~1e-6 of numpy's transcendentals
+              any core, in any lane, for any thread count); within 2e-6 of numpy's transcendentals
     perturb : per tile of at most TILE elements: regenerate its Philox blocks into an L1-resident buffer, then
               dst = src + sigma * eps with one cast at the store -- one pass over memory
     update  : per tile: load target once into float32, add each member of the tile's subspace (noise regenerated
@@ -17,7 +17,7 @@ bitwise identical for 1 and 2 threads. Threads follow `torch.get_num_threads()` 
 
 numba has no 16-bit float types: bfloat16 storage reaches the kernels as its uint16 bits and float16 as its int16
 bits, converted in registers (bfloat16 with the same round-to-nearest-even as torch, float16 with LLVM's fptrunc;
-NaNs are stored as torch stores them). Compilations are cached on disk (`cache=True`), so only the first process
+a NaN is stored as torch's scalar conversion stores it). Compilations are cached on disk (`cache=True`), so only the first process
 on a machine compiles.
 """
 
@@ -329,6 +329,19 @@ def _round_stochastic(value, u, like):
 # ----------------------------------------------------------------------------------------------- kernels
 
 
+@numba.njit(inline="always", **JIT)
+def _tile_blocks(offset, start, stop):
+    """Philox blocks of local elements [start, stop): (first block, block count, buffer index of element 0)."""
+    first_block = (offset + start) >> 2
+    return first_block, ((offset + stop - 1) >> 2) - first_block + 1, offset - 4 * first_block
+
+
+@numba.njit(inline="always", **JIT)
+def _grid_tile(offset, numel, t):
+    """Local [start, stop) of the slice's t-th tile on the global grid of TILE elements."""
+    return max((offset // TILE + t) * TILE - offset, 0), min((offset // TILE + t + 1) * TILE - offset, numel)
+
+
 @numba.njit(**JIT)
 def _selected_runs(numel, offset, chunk_size, chunk_owner, partitioned, sorted_owners):
     """Local [start, stop) of the slice's chunks whose owner appears in `sorted_owners`, with the segment
@@ -388,11 +401,9 @@ def _perturb_kernel(
     tensor_id, key0, key1 = _as_words(tensor_id, key0, key1)
     for t in prange(tile_starts.size):
         start, stop = tile_starts[t], tile_stops[t]
-        first_block = (offset + start) >> 2
-        blocks = ((offset + stop - 1) >> 2) - first_block + 1
+        first_block, blocks, shift = _tile_blocks(offset, start, stop)
         eps = np.empty(4 * blocks, np.float32)
         _fill_normals(eps, first_block, blocks, member, tensor_id, key0, key1)
-        shift = offset - 4 * first_block
         for i in range(start, stop):
             dst[i] = from_float(to_float(src[i]) + sigma * eps[i + shift], dst)
 
@@ -410,9 +421,7 @@ def _accumulate_kernel(
     tensor_id, key0, key1 = _as_words(tensor_id, key0, key1)
     for t in prange(tile_starts.size):
         start, stop, run = tile_starts[t], tile_stops[t], tile_runs[t]
-        first_block = (offset + start) >> 2
-        blocks = ((offset + stop - 1) >> 2) - first_block + 1
-        shift = offset - 4 * first_block
+        first_block, blocks, shift = _tile_blocks(offset, start, stop)
         total = np.empty(stop - start, np.float32)
         for i in range(start, stop):
             total[i - start] = to_float(target[i])
@@ -437,13 +446,10 @@ def _store_stochastic_kernel(dst, values, offset, tensor_id, key0, key1):
     tiles = (offset + dst.size - 1) // TILE - offset // TILE + 1
     tensor_id, key0, key1 = _as_words(tensor_id, key0, key1)
     for t in prange(tiles):
-        start = max((offset // TILE + t) * TILE - offset, 0)
-        stop = min((offset // TILE + t + 1) * TILE - offset, dst.size)
-        first_block = (offset + start) >> 2
-        blocks = ((offset + stop - 1) >> 2) - first_block + 1
+        start, stop = _grid_tile(offset, dst.size, t)
+        first_block, blocks, shift = _tile_blocks(offset, start, stop)
         u = np.empty(4 * blocks, np.float32)
         _fill_uniforms(u, first_block, blocks, _ROUNDING, tensor_id, key0, key1)
-        shift = offset - 4 * first_block
         for i in range(start, stop):
             dst[i] = round_stochastic(values[i], u[i + shift], dst)
 
@@ -456,13 +462,10 @@ def _normal_rows_kernel(out, members, offset, tensor_id, key0, key1):
     tensor_id, key0, key1 = _as_words(tensor_id, key0, key1)
     for job in prange(out.shape[0] * tiles_per_row):
         row, t = job // tiles_per_row, job % tiles_per_row
-        start = max((offset // TILE + t) * TILE - offset, 0)
-        stop = min((offset // TILE + t + 1) * TILE - offset, n)
-        first_block = (offset + start) >> 2
-        blocks = ((offset + stop - 1) >> 2) - first_block + 1
+        start, stop = _grid_tile(offset, n, t)
+        first_block, blocks, shift = _tile_blocks(offset, start, stop)
         eps = np.empty(4 * blocks, np.float32)
         _fill_normals(eps, first_block, blocks, _U64(members[row]), tensor_id, key0, key1)
-        shift = offset - 4 * first_block
         for i in range(start, stop):
             out[row, i] = eps[i + shift]
 
