@@ -604,6 +604,21 @@ def _chunk_owner(chunk_subspace: torch.Tensor | None) -> tuple[np.ndarray, bool]
     return (_NO_PARTITION, False) if chunk_subspace is None else (chunk_subspace.numpy(), True)
 
 
+def _touches_nothing(
+    numel: int, *, offset: int, chunk_subspace: torch.Tensor | None, subspace: int | None, chunk_size: int
+) -> bool:
+    """An empty slice, or one inside a single chunk of another subspace: nothing to read or write.
+
+    Most small tensors are one chunk, so most of a member's calls on them end here, before the kernel call's
+    fixed cost."""
+    if numel == 0:
+        return True
+    if chunk_subspace is None:
+        return False
+    first = offset // chunk_size
+    return first == (offset + numel - 1) // chunk_size and int(chunk_subspace.numpy()[first]) != int(subspace)
+
+
 def philox4x32_10(counter: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Philox4x32-10 on int64 tensors holding uint32 values: counter [..., 4], key [..., 2] -> words [..., 4]."""
     check_philox_inputs(counter, key)
@@ -650,7 +665,8 @@ def perturb_(
         dst, src, seed=seed, member=member, tensor_id=tensor_id, sigma=sigma, offset=offset,
         chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size,
     )
-    if dst.numel() == 0:
+    if _touches_nothing(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
+                        chunk_size=chunk_size):
         return dst
     flat_dst = _kernel_array(dst.view(-1))
     flat_src = flat_dst if src is None else _kernel_array(src.reshape(-1))
@@ -710,7 +726,8 @@ def backup_chunks(
     """A packed 1-D copy of the elements in `subspace`'s chunks (1/K of the tensor), in element order."""
     v.check_storage("src", src)
     v.check_chunking(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
-    if src.numel() == 0:
+    if _touches_nothing(src.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
+                        chunk_size=chunk_size):
         return src.new_empty(0)
     use_torch_threads()
     # Slice copies move raw bits, NaN payloads included, in any element type.
@@ -730,7 +747,8 @@ def restore_chunks_(
     """Write a `backup_chunks` copy back into its chunks: the exact inverse, bit for bit."""
     v.check_restore_args(dst, backup, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
                          chunk_size=chunk_size)
-    if dst.numel() == 0:
+    if _touches_nothing(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
+                        chunk_size=chunk_size):
         v.check_backup_size(backup, expected=0, subspace=subspace)
         return dst
     use_torch_threads()
