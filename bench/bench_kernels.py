@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -136,7 +137,7 @@ def build_cases(sizes: Sizes) -> dict[str, Case]:
 
     factor_bytes = rows * (m + in_features) * rank * 4
 
-    def engine(api) -> dict[str, Callable[[], object]]:
+    def engine(api: ModuleType) -> dict[str, Callable[[], object]]:
         """One call of each op through `api`: the public (dispatched) ops or the reference module."""
         return {
             "normal": lambda: api.normal(n, member=1, device=DEVICE, **ids),
