@@ -15,6 +15,7 @@ setup(
     install_requires=[
         "torch>=2.4",
         "numpy>=1.24",
+        "numba>=0.60",  # the compiled CPU backend (copes_kernels/cpu.py): LLVM wheels, no compiler needed
         "safetensors>=0.4",
         "transformers>=4.57",
         "tokenizers>=0.20",

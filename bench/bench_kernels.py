@@ -1,8 +1,10 @@
 """Kernel microbenchmarks: every copes_kernels op against the naive PyTorch way, timed in the same run.
 
 The naive baseline is what ES code without a noise contract does: a per-tensor seeded `torch.randn` materialised
-in full, then a (masked) add; a low-rank member's weight materialised before its GEMM. Timing: pytest-benchmark
-on CPU (the reference backend, the real CPU training path), triton.testing.do_bench on CUDA (the Triton kernels).
+in full, then a (masked) add; a low-rank member's weight materialised before its GEMM. `copes` is the public op as
+dispatched: on CPU the compiled backend (`copes_kernels/cpu.py`, the real CPU training path), on CUDA the Triton
+kernels; on CPU the torch/numpy `reference` (the test oracle) is timed too. Timing: pytest-benchmark on CPU,
+triton.testing.do_bench on CUDA.
 GB/s counts the bytes an op must move at least (the same count for both implementations), so the GB/s ratio is
 the speed-up. Prints a table and writes bench/results/kernels_<device>.csv.
 
@@ -17,14 +19,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 from harness import DEVICE, POPULATION, RESULTS_DIR, SIGMA, SUBSPACES, device_label, element_masks, seeded_randn
 
 import copes_kernels as ck
+from copes_kernels import reference
 
-IMPLEMENTATIONS = ("copes", "naive")
+IMPLEMENTATIONS = ("copes", "reference", "naive") if DEVICE.type == "cpu" else ("copes", "naive")
 # The CPU ops take 0.1-600 ms each: five timed rounds after one warm-up, and the fastest one is reported, since a
 # shared machine only ever adds time (GPU timings are do_bench medians).
 CPU_ROUNDS = 5
@@ -52,8 +56,7 @@ SIZES = {
 class Case:
     elements: int  # output elements per call
     bytes_moved: int  # the least traffic the op needs (reads + writes)
-    copes: Callable[[], object]
-    naive: Callable[[], object]
+    runs: dict[str, Callable[[], object]]  # implementation -> one call
 
 
 @dataclass
@@ -118,49 +121,58 @@ def build_cases(sizes: Sizes) -> dict[str, Case]:
         weight.add_(update.to(dtype))
 
     factor_bytes = rows * (m + in_features) * rank * 4
+
+    def engine(api: ModuleType) -> dict[str, Callable[[], object]]:
+        """One call of each op through `api`: the public (dispatched) ops or the reference module."""
+        return {
+            "normal": lambda: api.normal(n, member=1, device=DEVICE, **ids),
+            "perturb_": lambda: api.perturb_(x, member=1, sigma=SIGMA, **ids),
+            "perturb_ subspace": lambda: api.perturb_(
+                x, member=1, sigma=math.sqrt(SUBSPACES) * SIGMA, **chunking, **ids
+            ),
+            "backup_chunks": lambda: api.backup_chunks(x, **chunking),
+            "restore_chunks_": lambda: api.restore_chunks_(x, backup, **chunking),
+            "accumulate_": lambda: api.accumulate_(
+                x, members=members, coeffs=coeffs, chunk_subspace=chunk_subspace, member_subspaces=member_subspaces,
+                **ids,
+            ),
+            "lowrank_factors": lambda: api.lowrank_factors(member=factor_members, **shape, **ids),
+            "lowrank_linear": lambda: api.lowrank_linear(
+                activations, weight, None, A=A, B=B, row_member=row_member, sigma=SIGMA
+            ),
+            "lowrank_accumulate_": lambda: api.lowrank_accumulate_(
+                weight, A=A, B=B, coeffs=factor_coeffs, scale=SIGMA
+            ),
+        }
+
+    naive = {
+        "normal": lambda: seeded_randn(n, member=1, **ids),
+        "perturb_": lambda: x.add_(seeded_randn(n, member=1, **ids), alpha=SIGMA),
+        "perturb_ subspace": lambda: x.add_(
+            seeded_randn(n, member=1, **ids) * masks[0], alpha=math.sqrt(SUBSPACES) * SIGMA
+        ),
+        "backup_chunks": lambda: x[masks[0]],
+        "restore_chunks_": lambda: x.masked_scatter_(masks[0], backup),
+        "accumulate_": naive_accumulate,
+        "lowrank_factors": lambda: [seeded_randn((m + in_features) * rank, member=j, **ids) for j in factor_members],
+        "lowrank_linear": naive_lowrank_linear,
+        "lowrank_accumulate_": naive_lowrank_accumulate,
+    }
+    apis = {"copes": engine(ck), "reference": engine(reference), "naive": naive}
+    traffic = {  # (output elements, least bytes moved) per call
+        "normal": (n, 4 * n),
+        "perturb_": (n, 2 * n * element_size),
+        "perturb_ subspace": (selected, 2 * selected * element_size),
+        "backup_chunks": (selected, 2 * selected * element_size),
+        "restore_chunks_": (selected, 2 * selected * element_size),
+        "accumulate_": (n, 2 * n * element_size),
+        "lowrank_factors": (factor_bytes // 4, factor_bytes),
+        "lowrank_linear": (rows * tokens * m, (rows * tokens * (in_features + m) + m * in_features) * element_size),
+        "lowrank_accumulate_": (m * in_features, 2 * m * in_features * element_size),
+    }
     return {
-        "normal": Case(
-            n, 4 * n, lambda: ck.normal(n, member=1, device=DEVICE, **ids), lambda: seeded_randn(n, member=1, **ids)
-        ),
-        "perturb_": Case(
-            n, 2 * n * element_size,
-            lambda: ck.perturb_(x, member=1, sigma=SIGMA, **ids),
-            lambda: x.add_(seeded_randn(n, member=1, **ids), alpha=SIGMA),
-        ),
-        "perturb_ subspace": Case(
-            selected, 2 * selected * element_size,
-            lambda: ck.perturb_(x, member=1, sigma=math.sqrt(SUBSPACES) * SIGMA, **chunking, **ids),
-            lambda: x.add_(seeded_randn(n, member=1, **ids) * masks[0], alpha=math.sqrt(SUBSPACES) * SIGMA),
-        ),
-        "backup_chunks": Case(
-            selected, 2 * selected * element_size, lambda: ck.backup_chunks(x, **chunking), lambda: x[masks[0]]
-        ),
-        "restore_chunks_": Case(
-            selected, 2 * selected * element_size,
-            lambda: ck.restore_chunks_(x, backup, **chunking),
-            lambda: x.masked_scatter_(masks[0], backup),
-        ),
-        "accumulate_": Case(
-            n, 2 * n * element_size,
-            lambda: ck.accumulate_(x, members=members, coeffs=coeffs, chunk_subspace=chunk_subspace,
-                                   member_subspaces=member_subspaces, **ids),
-            naive_accumulate,
-        ),
-        "lowrank_factors": Case(
-            factor_bytes // 4, factor_bytes,
-            lambda: ck.lowrank_factors(member=factor_members, **shape, **ids),
-            lambda: [seeded_randn((m + in_features) * rank, member=j, **ids) for j in factor_members],
-        ),
-        "lowrank_linear": Case(
-            rows * tokens * m, (rows * tokens * (in_features + m) + m * in_features) * element_size,
-            lambda: ck.lowrank_linear(activations, weight, None, A=A, B=B, row_member=row_member, sigma=SIGMA),
-            naive_lowrank_linear,
-        ),
-        "lowrank_accumulate_": Case(
-            m * in_features, 2 * m * in_features * element_size,
-            lambda: ck.lowrank_accumulate_(weight, A=A, B=B, coeffs=factor_coeffs, scale=SIGMA),
-            naive_lowrank_accumulate,
-        ),
+        op: Case(elements, moved, {impl: apis[impl][op] for impl in IMPLEMENTATIONS})
+        for op, (elements, moved) in traffic.items()
     }
 
 
@@ -169,7 +181,7 @@ OPS = ("normal", "perturb_", "perturb_ subspace", "backup_chunks", "restore_chun
 
 
 def report(rows: list[Row], write_line: Callable[[str], None]) -> Path:
-    """Print the table (speed-up = naive time / copes time) and write the CSV."""
+    """Print the table (speed-up = naive time / this time; on CPU also reference time / this time), write the CSV."""
     by_key = {(row.op, row.implementation): row for row in rows}
     label = device_label()
     path = RESULTS_DIR / f"kernels_{label}.csv"
@@ -177,23 +189,26 @@ def report(rows: list[Row], write_line: Callable[[str], None]) -> Path:
     sizes = SIZES[DEVICE.type]
     threads = f", {torch.get_num_threads()} CPU threads" if DEVICE.type == "cpu" else ""
     parameter = f"a {sizes.numel}-element {str(sizes.dtype).removeprefix('torch.')} parameter{threads}"
-    write_line(f"\nkernels on {label} ({parameter}; speed-up = naive / copes)")
-    write_line(f"{'op':20s} {'impl':6s} {'ms':>10s} {'Melem/s':>10s} {'GB/s':>8s} {'speed-up':>9s}")
+    write_line(f"\nkernels on {label} ({parameter}; speed-up = naive / impl, vs ref = reference / impl)")
+    write_line(f"{'op':20s} {'impl':9s} {'ms':>10s} {'Melem/s':>10s} {'GB/s':>8s} {'speed-up':>9s} {'vs ref':>7s}")
     with path.open("w", newline="") as file:
         writer = csv.writer(file)
         writer.writerow(
-            ["device", "op", "implementation", "ms", "elements_per_s", "gb_per_s", "speedup_vs_naive", "dtype"]
+            ["device", "op", "implementation", "ms", "elements_per_s", "gb_per_s", "speedup_vs_naive",
+             "speedup_vs_reference", "dtype"]
         )
         for row in rows:
-            naive = by_key.get((row.op, "naive"))
+            naive, oracle = by_key.get((row.op, "naive")), by_key.get((row.op, "reference"))
             speedup = naive.milliseconds / row.milliseconds if naive else float("nan")
+            vs_reference = oracle.milliseconds / row.milliseconds if oracle else float("nan")
             write_line(
-                f"{row.op:20s} {row.implementation:6s} {row.milliseconds:10.3f} {row.elements_per_second / 1e6:10.1f} "
-                f"{row.gigabytes_per_second:8.2f} {speedup:9.2f}"
+                f"{row.op:20s} {row.implementation:9s} {row.milliseconds:10.3f} "
+                f"{row.elements_per_second / 1e6:10.1f} {row.gigabytes_per_second:8.2f} {speedup:9.2f} {vs_reference:7.2f}"
             )
             writer.writerow([
                 label, row.op, row.implementation, f"{row.milliseconds:.4f}", f"{row.elements_per_second:.4g}",
-                f"{row.gigabytes_per_second:.4g}", f"{speedup:.3f}", str(sizes.dtype).removeprefix("torch."),
+                f"{row.gigabytes_per_second:.4g}", f"{speedup:.3f}", f"{vs_reference:.3f}",
+                str(sizes.dtype).removeprefix("torch."),
             ])
     write_line(f"wrote {path}")
     return path
@@ -220,7 +235,7 @@ def test_kernel_speed(
     op: str, implementation: str, cases: dict[str, Case], results: list[Row], request: pytest.FixtureRequest
 ) -> None:
     case = cases[op]
-    run = case.copes if implementation == "copes" else case.naive
+    run = case.runs[implementation]
     if DEVICE.type == "cuda":
         import triton.testing
 

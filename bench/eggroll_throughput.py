@@ -89,6 +89,7 @@ def throughput_rows(name: str, model: PreTrainedModel, *, population: int, rows_
     prompts = random_prompts(rows, prompt_tokens, vocab_size=model.config.vocab_size)
     member_of_row = torch.arange(population, device=DEVICE).repeat_interleave(rows_per_member)
     strategy = copes.EGGROLL(model, population=population, sigma=SIGMA, rank=rank)
+    factor_seconds(strategy)  # warm-up: the first call loads the compiled CPU kernels from numba's disk cache
     factors = factor_seconds(strategy)
     workloads = {
         "prefill forward": (lambda: prefill(model, prompts), rows * prompt_tokens),

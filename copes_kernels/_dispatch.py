@@ -1,8 +1,9 @@
-"""Backend choice: CUDA tensors run the Triton kernels, CPU tensors the torch reference.
+"""Backend choice: CUDA tensors run the Triton kernels, CPU tensors the compiled CPU backend (`cpu.py`, numba).
 
-`COPES_BACKEND=triton` forces the kernels everywhere (on CPU through Triton's interpreter, which needs
+Without numba, CPU tensors fall back to the torch reference. `COPES_BACKEND=cpu` forces the compiled CPU backend
+(its tensors must be on the CPU); `COPES_BACKEND=triton` forces the Triton kernels everywhere (on CPU through Triton's interpreter, which needs
 TRITON_INTERPRET=1 before the kernels are defined: set here when the kernel modules are first imported);
-`COPES_BACKEND=reference` forces the reference, e.g. to bisect a suspected kernel bug on a GPU.
+`COPES_BACKEND=reference` forces the reference, e.g. to bisect a suspected kernel bug.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 
 from copes_kernels import reference
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "cpu", "triton")
+CPU_MODULE = "copes_kernels.cpu"  # every op, under its public name
 
 # Where each op's Triton launcher lives (same name and signature as its reference twin).
 TRITON_MODULES = {
@@ -35,24 +37,45 @@ TRITON_MODULES = {
 
 
 @functools.cache
-def triton_available() -> bool:
+def _importable(module: str) -> bool:
     try:
-        importlib.import_module("triton")
+        importlib.import_module(module)
     except ImportError:
         return False
     return True
 
 
-def backend_for(device: torch.device | str | None) -> str:
-    """'triton' or 'reference' for data on `device`, honouring COPES_BACKEND."""
-    choice = os.environ.get("COPES_BACKEND", "auto").strip().lower() or "auto"
+def triton_available() -> bool:
+    return _importable("triton")
+
+
+def numba_available() -> bool:
+    return _importable("numba")
+
+
+@functools.cache
+def _backend_choice(setting: str) -> str:
+    """COPES_BACKEND's value, normalised and checked (cached: the dispatcher reads it on every call)."""
+    choice = setting.strip().lower() or "auto"
     if choice not in BACKENDS:
         raise ValueError(f"COPES_BACKEND must be one of {BACKENDS}, got {choice!r}")
+    return choice
+
+
+def backend_for(device: torch.device | str | None) -> str:
+    """'triton', 'cpu' or 'reference' for data on `device`, honouring COPES_BACKEND."""
+    choice = _backend_choice(os.environ.get("COPES_BACKEND", "auto"))
+    device_type = "cpu" if device is None else (device if isinstance(device, torch.device) else torch.device(device)).type
     if choice == "auto":
-        on_cuda = device is not None and torch.device(device).type == "cuda"
-        return "triton" if on_cuda and triton_available() else "reference"
+        if device_type == "cuda" and triton_available():
+            return "triton"
+        return "cpu" if device_type == "cpu" and numba_available() else "reference"
     if choice == "triton" and not triton_available():
         raise RuntimeError("COPES_BACKEND=triton but triton is not installed (pip install 'copes[triton]')")
+    if choice == "cpu" and not numba_available():
+        raise RuntimeError("COPES_BACKEND=cpu but numba is not installed (pip install numba)")
+    if choice == "cpu" and device_type != "cpu":
+        raise ValueError(f"COPES_BACKEND=cpu runs on CPU tensors only, got data on {device}")
     return choice
 
 
@@ -66,6 +89,12 @@ def _triton_module(name: str, device: torch.device | str | None) -> ModuleType:
     return importlib.import_module(module_name)
 
 
+@functools.cache
+def _compiled_cpu_op(name: str) -> Callable[..., Any]:
+    """The compiled CPU twin of op `name` (imported on first use: numba loads only if a CPU op runs)."""
+    return getattr(importlib.import_module(CPU_MODULE), name)
+
+
 def dispatched(name: str, device_of: Callable[..., torch.device | str | None]) -> Callable[..., Any]:
     """The public op `name`: routes each call to the Triton launcher or the reference twin."""
     reference_op = getattr(reference, name)
@@ -73,8 +102,11 @@ def dispatched(name: str, device_of: Callable[..., torch.device | str | None]) -
     @functools.wraps(reference_op)
     def op(*args: Any, **kwargs: Any) -> Any:
         device = device_of(*args, **kwargs)
-        if backend_for(device) == "reference":
+        backend = backend_for(device)
+        if backend == "reference":
             return reference_op(*args, **kwargs)
+        if backend == "cpu":
+            return _compiled_cpu_op(name)(*args, **kwargs)
         return getattr(_triton_module(name, device), name)(*args, **kwargs)
 
     return op

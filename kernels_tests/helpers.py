@@ -6,7 +6,7 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from copes_kernels import lowrank, perturb, reference, triton_rng, update
+from copes_kernels import cpu, lowrank, perturb, reference, triton_rng, update
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ODD_SIZES = (1, 7, 4097, (1 << 20) + 3)
@@ -27,8 +27,8 @@ TRITON_OPS = {
 
 
 def ops(backend: str) -> ModuleType | SimpleNamespace:
-    """The op table of one backend: the reference module or the Triton launchers."""
-    return reference if backend == "reference" else SimpleNamespace(**TRITON_OPS)
+    """The op table of one backend: the reference module, the compiled CPU module or the Triton launchers."""
+    return {"reference": reference, "cpu": cpu}.get(backend) or SimpleNamespace(**TRITON_OPS)
 
 
 def poisoned(n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
