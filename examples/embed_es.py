@@ -23,7 +23,9 @@ def evolve(steps: int, population: int = 16, subspaces: int = 4, sigma: float = 
     generator = torch.Generator().manual_seed(0)
     x = torch.rand(256, 2, generator=generator) * 2 - 1
     y = torch.sin(3 * x[:, :1]) + x[:, 1:] ** 2
-    model = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    with torch.random.fork_rng(devices=[]):  # the same starting model on every call, the caller's RNG untouched
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     params = [p.data for p in model.parameters()]  # tensor_id = position: stable across steps
 
     def reward() -> float:
