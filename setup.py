@@ -32,8 +32,10 @@ setup(
         "triton": ["triton>=3.2"],
         # The baselines the benchmarks compare against (bench/vs_grpo.py: TRL's GRPOTrainer).
         "bench": ["trl>=0.20"],
-        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.2", "trl>=0.20"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.2", "trl>=0.20",
+                 "wandb>=0.18"],
         "tensorboard": ["tensorboard>=2.15"],
+        "wandb": ["wandb>=0.18"],
     },
     entry_points={
         "console_scripts": [

@@ -44,7 +44,7 @@ def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
 @dataclass
 class TrainConfig:
     model: str = _opt("tiny", "model directory or hub id; 'tiny' is the embedded default model")
-    task: str = _opt("arithmetic", "task name (copes.tasks): gsm8k, math, math500, aime24, aime25, hotpotqa, 2wiki, musique, arithmetic")
+    task: str = _opt("arithmetic", "task name (copes.tasks): gsm8k, math, math500, aime24, aime25, hotpotqa, 2wiki, musique, countdown, arithmetic")
     task_options: dict[str, Any] = _opt({}, "keyword options of the task, e.g. qa_metric=em, digit_shaping=0.5, validation_size=500")
     algorithm: str = _opt("copes", "copes | es (copes with K=1) | eggroll | copes-lowrank", choices=ALGORITHMS)
     population: int = _opt(40, "N: perturbed members per step (paper: 40)")
@@ -89,6 +89,12 @@ class TrainConfig:
     dist_check_every: int = _opt(10, "with torchrun: steps between cross-rank weight checksum comparisons")
     dist_timeout_s: float = _opt(1800.0, "with torchrun: seconds a rank waits for the others before failing")
     tensorboard: bool = _opt(False, "also write TensorBoard events (needs the tensorboard package)")
+    wandb: bool = _opt(False, "also log metrics and a rollout-samples table to Weights & Biases (needs the wandb "
+                              "package; WANDB_MODE=offline works without network)")
+    wandb_project: str = _opt("copes", "W&B project name")
+    sample_every: int = _opt(10, "steps between rollout samples in samples.jsonl: the best and worst member's "
+                                 "transcripts on a fixed few questions (0: none)")
+    sample_prompts: int = _opt(4, "fixed questions in each rollout sample (the first held-out ones)")
     data_dir: str | None = _opt(None, "local dataset folder (default: $COPES_DATA_DIR or ../shared/data; else the hub)")
     include: list[str] = _opt([], "only parameters whose names match one of these patterns (default: all)")
     exclude: list[str] = _opt([], "parameters whose names match these patterns are never perturbed")
@@ -112,8 +118,8 @@ class TrainConfig:
             raise ConfigError(f"--rollout-batch must be >= 1, got {self.rollout_batch}")
         if self.cpu_threads < 0:
             raise ConfigError(f"--cpu-threads must be >= 0, got {self.cpu_threads}")
-        if self.steps < 0 or self.eval_size < 0 or self.eval_every < 0 or self.checkpoint_every < 0:
-            raise ConfigError("--steps, eval_size, eval_every and checkpoint_every must be >= 0")
+        if min(self.steps, self.eval_size, self.eval_every, self.checkpoint_every, self.sample_every, self.sample_prompts) < 0:
+            raise ConfigError("--steps, eval_size, eval_every, checkpoint_every, sample_every and sample_prompts must be >= 0")
         if self.algorithm in ("copes", "copes-lowrank") and self.population % self.subspaces:
             raise ConfigError(
                 f"--population {self.population} is not divisible by --subspaces {self.subspaces}: "

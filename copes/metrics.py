@@ -50,15 +50,65 @@ def peak_memory_bytes(device: torch.device) -> dict[str, int]:
     return peaks
 
 
+def records_through_step(path: Path, keep_through_step: int) -> list[dict[str, Any]]:
+    """Rewrite the JSON-lines file `path` (atomically) keeping only its records of steps <= `keep_through_step`,
+    and return them: on resume, what lies past the resume point will be written again, and a crash may have torn
+    the last line."""
+    kept: list[dict[str, Any]] = []
+    if keep_through_step and path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a torn last line from a crash
+            if record.get("step", 0) <= keep_through_step:
+                kept.append(record)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(temporary, path)
+    return kept
+
+
+def start_wandb(project: str, run_dir: Path, config: dict[str, Any]) -> Any:
+    """A Weights & Biases run writing under `run_dir/wandb`; with WANDB_MODE=offline it needs no network (upload it
+    later with `wandb sync`)."""
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("W&B logging needs the wandb package: pip install 'copes[wandb]'") from None
+    return wandb.init(project=project, name=run_dir.name, dir=str(run_dir), config=config)
+
+
+def log_table(run: Any, name: str, records: list[dict[str, Any]], step: int) -> None:
+    """`records` (dicts with the same keys) as one W&B table at `step`; lists and dicts are shown as JSON."""
+    import wandb
+
+    columns = list(records[0])
+    rows = [[v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v) for v in r.values()] for r in records]
+    run.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
+
+
+def _scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The record's numbers, nested dicts flattened as `time/rollout`, `eval/accuracy`."""
+    flat: dict[str, float] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            flat |= _scalars(value, f"{prefix}{key}/")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            flat[prefix + key] = value
+    return flat
+
+
 class MetricsLog:
     """Append-only metrics.jsonl, flushed per record; on resume, records past the checkpoint are dropped (a
     crash can leave steps that the checkpoint does not hold, and they will be re-run). `path=None` keeps the
     records in memory only (ranks other than 0)."""
 
-    def __init__(self, path: Path | None, *, keep_through_step: int = 0, tensorboard: bool = False) -> None:
+    def __init__(self, path: Path | None, *, keep_through_step: int = 0, tensorboard: bool = False,
+                 wandb_run: Any = None) -> None:
         self.path = path
         self.records: list[dict[str, Any]] = []
-        self.board = None
+        self.board, self.wandb_run = None, wandb_run
         if path is None:
             return
         if tensorboard:
@@ -67,17 +117,7 @@ class MetricsLog:
             except ImportError:
                 raise UserError("TensorBoard output needs the tensorboard package: pip install 'copes[tensorboard]'") from None
             self.board = SummaryWriter(str(path.parent / "tensorboard"))
-        if keep_through_step and path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a torn last line from a crash
-                if record.get("step", 0) <= keep_through_step:
-                    self.records.append(record)
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text("".join(json.dumps(r) + "\n" for r in self.records), encoding="utf-8")
-        os.replace(temporary, path)
+        self.records = records_through_step(path, keep_through_step)
 
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -91,6 +131,8 @@ class MetricsLog:
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                     self.board.add_scalar(key, value, record["step"])
             self.board.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(_scalars(record), step=record["step"])
 
 
 def plot_curves(records: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path, title: str) -> None:

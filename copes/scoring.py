@@ -22,6 +22,35 @@ def score_rollouts(task: Task, examples: Sequence[Example], trajectories: Sequen
     return task.score_batch([t.final_text for t in trajectories], list(examples), [t.used_tool for t in trajectories])
 
 
+def rollouts(
+    model: Any,
+    tokenizer: Any,
+    task: Task,
+    examples: Sequence[Example],
+    *,
+    tools: Sequence[Any],
+    agent: AgentConfig,
+    timer: PhaseTimer,
+    members: Sequence[int] | None = None,
+    row_members: Any = None,
+) -> list[list[tuple[Trajectory, Score]]]:
+    """Roll out and score `examples`: one list of (trajectory, score) per question, per member of `members` (a
+    batched population, rows routed through `row_members`), or a single list without members."""
+    prompts = [task.prompt(example) for example in examples]
+    copies = len(members) if members is not None else 1
+    row_context = None
+    if row_members is not None:
+        member_of_row = torch.as_tensor(list(members)).repeat_interleave(len(prompts))
+        row_context = lambda indices: row_members(member_of_row[indices])  # noqa: E731
+    tools_seconds_before = timer.seconds["tools"]
+    with timer("generate"):
+        trajectories = run_agent(model, tokenizer, prompts * copies, tools=tools if task.chat else (),
+                                 config=agent, chat=task.chat, row_context=row_context)
+    timer.add("generate", -(timer.seconds["tools"] - tools_seconds_before))  # tool time is reported on its own
+    scored = list(zip(trajectories, score_rollouts(task, list(examples) * copies, trajectories)))
+    return [scored[i * len(prompts) : (i + 1) * len(prompts)] for i in range(copies)]
+
+
 def rollout_rewards(
     model: Any,
     tokenizer: Any,
@@ -35,18 +64,7 @@ def rollout_rewards(
     row_members: Any = None,
 ) -> list[float] | list[list[float]]:
     """Per-question rewards [Q], or [len(members)][Q] for a batched population (`members` and `row_members`)."""
-    prompts = [task.prompt(example) for example in examples]
-    copies = len(members) if members is not None else 1
-    row_context = None
-    if row_members is not None:
-        member_of_row = torch.as_tensor(list(members)).repeat_interleave(len(prompts))
-        row_context = lambda indices: row_members(member_of_row[indices])  # noqa: E731
-    tools_seconds_before = timer.seconds["tools"]
-    with timer("generate"):
-        trajectories = run_agent(model, tokenizer, prompts * copies, tools=tools if task.chat else (),
-                                 config=agent, chat=task.chat, row_context=row_context)
-    timer.add("generate", -(timer.seconds["tools"] - tools_seconds_before))  # tool time is reported on its own
-    rewards = [score.reward for score in score_rollouts(task, list(examples) * copies, trajectories)]
-    if members is None:
-        return rewards
-    return [rewards[i * len(prompts) : (i + 1) * len(prompts)] for i in range(copies)]
+    per_member = rollouts(model, tokenizer, task, examples, tools=tools, agent=agent, timer=timer, members=members,
+                          row_members=row_members)
+    rewards = [[score.reward for _, score in rows] for rows in per_member]
+    return rewards[0] if members is None else rewards

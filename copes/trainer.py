@@ -26,11 +26,12 @@ from copes.distributed import (barrier, broadcast_value, check_in_sync, gather_m
 from copes.evaluation import evaluate
 from copes.failpoints import failpoint
 from copes.journal import JournalWriter, RunJournal, build_header, journal_path
-from copes.metrics import MetricsLog, PhaseTimer, peak_memory_bytes, plot_curves
+from copes.metrics import MetricsLog, PhaseTimer, log_table, peak_memory_bytes, plot_curves, start_wandb
 from copes.modeling import load_model, resolve_model_path
 from copes.replay import replay_member, replays_members, resume_run
 from copes.rollout import AgentConfig
-from copes.scoring import rollout_rewards
+from copes.samples import SAMPLES_FILE, RolloutSamples
+from copes.scoring import rollout_rewards, rollouts
 from copes.strategies.base import WHOLE_POPULATION
 from copes.tasks import Example
 
@@ -83,6 +84,8 @@ class Trainer:
         self.agent = AgentConfig.for_task(self.task, **limits, **({"budgets": cfg.tool_budgets} if cfg.tool_budgets else {}))
         self.strategy = build_strategy(cfg, self.model)
         self.start_step, self.evals, self.eval_before = 0, [], None
+        self.samples: RolloutSamples | None = None  # opened by train(); a caller driving steps itself samples none
+        self.wandb_run: Any = None
         self.journal: RunJournal | None = None  # opened by resume(), or started fresh by train()
         self.saved_step: int | None = None  # the step of the newest checkpoint on disk
 
@@ -114,30 +117,42 @@ class Trainer:
         are gathered, and every rank applies the same update."""
         world = (self.dist.rank, self.dist.world_size) if self.dist else (0, 1)
         mine = members_for_rank(self.cfg.population, *world)
+        sampling = self.samples is not None and self.samples.due(step + 1)
         if self.journal is None:  # a caller driving steps itself (bench/step_overhead.py) journals them too
             self.start_journal()
         known = self.journal.recorded(step + 1)  # members scored before a crash are not rolled out again
         if self.strategy.evaluation == WHOLE_POPULATION:  # EGGROLL family: one batched call for all of this rank's members
             if any(member not in known for member in mine):  # the same call as uninterrupted, for the same numerics
-                rewards = self.strategy.evaluate(lambda model, rows: self.rewards_for(model, examples, rows, mine), members=mine)
+                def population_fitness(model: Any, rows: Any) -> list[list[float]]:
+                    if sampling:
+                        self.sample_rollouts(model, mine, rows)
+                    return self.rewards_for(model, examples, rows, mine)
+
+                rewards = self.strategy.evaluate(population_fitness, members=mine)
                 self.journal.record_members(step + 1, dict(zip(mine, rewards)))
         else:
             self.strategy.plan()
             members = tqdm(mine, desc=f"step {step + 1} members", leave=False, disable=not (self.progress and self.is_main))
             for member in members:
                 if member not in known:
-                    self.journal.record_members(step + 1, {member: self.evaluate_member(member, examples)})
+                    rewards = self.evaluate_member(member, examples, sampling=sampling)
+                    self.journal.record_members(step + 1, {member: rewards})
                 elif replays_members(self.cfg):
                     replay_member(self.strategy, member, known[member])
         local = {member: known[member] for member in mine}
         gathered = gather_member_rewards(local, self.cfg.population, step) if self.dist else [local[m] for m in mine]
         self.journal.record_members(step + 1, dict(enumerate(gathered)))  # rank 0: the other ranks' members
+        if sampling and (written := self.samples.write(step + 1, gathered)) and self.wandb_run is not None:
+            log_table(self.wandb_run, "samples", written, step + 1)
         return self.strategy.apply_update(torch.stack(gathered))
 
-    def evaluate_member(self, member: int, examples: list[Example]) -> torch.Tensor:
-        """Rewards of one perturbed member; out of memory is retried with half the rollout batch when allowed."""
+    def evaluate_member(self, member: int, examples: list[Example], *, sampling: bool = False) -> torch.Tensor:
+        """Rewards of one perturbed member; out of memory is retried with half the rollout batch when allowed.
+        At a sampling step the member also answers the sample questions (copes.samples)."""
         def fitness(model: Any) -> list[float]:
             failpoint("rollout")  # crash tests: die as the rollout starts; counted to find recomputed members
+            if sampling:
+                self.sample_rollouts(model, [member])
             rewards = self.rewards_for(model, examples)
             failpoint("member")  # crash tests: die while this member's perturbation is in the weights
             return rewards
@@ -152,6 +167,12 @@ class Trainer:
                                       "lower --prompt-batch or --rollout-batch, or pass --oom-retry") from None
                 self.agent.batch_size = rows // 2
                 tqdm.write(f"out of memory on member {member} at {rows} rows per generate call; retrying with {rows // 2}")
+
+    def sample_rollouts(self, model: Any, members: list[int], row_members: Any = None) -> None:
+        """The sample questions' transcripts for `members` (under their perturbation, or routed rows)."""
+        per_member = rollouts(model, self.tokenizer, self.task, self.samples.examples, tools=self.tools, agent=self.agent,
+                              timer=self.timer, members=members, row_members=row_members)
+        self.samples.add(members, per_member)
 
     def held_out(self, step: int) -> dict[str, Any]:
         if not self.eval_set:
@@ -206,10 +227,15 @@ class Trainer:
         cfg, started = self.cfg, time.perf_counter()
         # The high-water mark of loading (Python, torch, the model); on CPU it is ~0.5 GiB before any training.
         self.peaks_at_start = peak_memory_bytes(self.device)
+        if cfg.wandb and self.is_main:
+            self.wandb_run = start_wandb(cfg.wandb_project, self.out, cfg.to_dict())
         metrics = MetricsLog(self.out / "metrics.jsonl" if self.is_main else None, keep_through_step=self.start_step,
-                             tensorboard=cfg.tensorboard)
+                             tensorboard=cfg.tensorboard, wandb_run=self.wandb_run)
         if self.journal is None:
             self.start_journal()
+        sample_questions = (self.eval_set or self.train_set)[: cfg.sample_prompts]
+        self.samples = RolloutSamples(self.out / SAMPLES_FILE if self.is_main else None, sample_questions,
+                                      cfg.sample_every, keep_through_step=self.start_step)
         if self.eval_before is None:
             self.eval_before = self.held_out(step=0)
             self.journal.record_eval_before(self.eval_before)
@@ -256,6 +282,10 @@ class Trainer:
         ckpt.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
         plot_curves(metrics.records, self.evals, self.out / "curve.png",
                     f"{self.cfg.method} on {self.cfg.task} ({Path(self.cfg.model).name})")
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update({"eval_before_accuracy": self.eval_before["accuracy"],
+                                           "eval_after_accuracy": eval_after["accuracy"], "steps": steps})
+            self.wandb_run.finish()
         return summary
 
 
