@@ -31,6 +31,9 @@ TRITON_MODULES = {
     "lowrank_factors": "copes_kernels.lowrank",
     "lowrank_linear": "copes_kernels.lowrank",
     "lowrank_accumulate_": "copes_kernels.lowrank",
+    "multi_perturb_": "copes_kernels.multi_tensor",
+    "multi_restore_": "copes_kernels.multi_tensor",
+    "multi_accumulate_": "copes_kernels.multi_tensor",
 }
 
 
@@ -86,6 +89,12 @@ def _first_tensor_device(first: torch.Tensor, *_: Any, **__: Any) -> torch.devic
     return first.device
 
 
+def _table_device(table: Any, *_: Any, **__: Any) -> torch.device:
+    if not hasattr(table, "runs"):
+        raise TypeError(f"expected a copes_kernels.RunTable as the first argument, got {type(table).__name__}")
+    return table.device
+
+
 def _device_keyword(*_: Any, device: torch.device | str | None = None, **__: Any) -> torch.device | str | None:
     return device
 
@@ -99,3 +108,6 @@ accumulate_ = dispatched("accumulate_", _first_tensor_device)
 lowrank_factors = dispatched("lowrank_factors", _device_keyword)
 lowrank_linear = dispatched("lowrank_linear", _first_tensor_device)
 lowrank_accumulate_ = dispatched("lowrank_accumulate_", _first_tensor_device)
+multi_perturb_ = dispatched("multi_perturb_", _table_device)
+multi_restore_ = dispatched("multi_restore_", _table_device)
+multi_accumulate_ = dispatched("multi_accumulate_", _table_device)
