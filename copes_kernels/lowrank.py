@@ -51,7 +51,7 @@ def _lowrank_correction_kernel(
 ):
     """out[b, t, :] += scale * (x[b, t, :] B_m) A_m^T for one row b (member m) and BLOCK_T of its tokens."""
     pid = tl.program_id(0).to(tl.int64)
-    token_tiles = tl.cdiv(tokens, BLOCK_T)
+    token_tiles = (tokens + BLOCK_T - 1) // BLOCK_T  # not tl.cdiv, a @triton.jit helper (see triton_rng.in_element_order)
     row = pid // token_tiles
     token = (pid % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     token_mask = token < tokens
@@ -61,7 +61,7 @@ def _lowrank_correction_kernel(
 
     x_rows = x_ptr + (row * tokens + token) * in_features
     b_member = b_ptr + member * in_features * rank
-    projected = tl.zeros([BLOCK_T, RANK], dtype=tl.float32)
+    projected = tl.full([BLOCK_T, RANK], 0.0, tl.float32)
     for k_start in range(0, in_features, BLOCK_K):
         k = k_start + tl.arange(0, BLOCK_K)
         k_mask = k < in_features

@@ -9,7 +9,7 @@ Program = (run row, tile of BLOCK counters). A row names its tensor (pointer and
 table), its element bounds and its backup offset; the noise of element i is the contract's eps(i) of that tensor,
 so the weights come out bit for bit as the per-tensor ops leave them. Backup and restore move raw bits (integer
 views of the storage). The update's norm is measured in-kernel from the stored values: each program writes the
-float32 sum of its squared changes, and one device-side sum adds them in a fixed order (deterministic).
+float64 sum of its squared changes, and one device-side sum adds them in a fixed order (deterministic).
 
 Nothing here reads device data on the host: sizes come from the table's host-side fields.
 """
@@ -35,6 +35,11 @@ _TYPES = {
 }
 _RUN_COLUMNS: tl.constexpr = tl.constexpr(RUN_COLUMNS)
 MULTI_STREAM_ARGS = ["seed_lo", "seed_hi", "member"]
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
 
 
 @triton.jit
@@ -88,7 +93,7 @@ def _multi_accumulate_kernel(
     subspace = tl.load(row + 4)
     first_member = tl.load(first_member_ptr + subspace)
     end_member = tl.load(end_member_ptr + subspace)
-    partial = tl.zeros([], dtype=tl.float32)
+    partial = tl.full([], 0.0, tl.float64)
     if end_member > first_member:
         tensor_id = tl.load(ids_ptr + tensor)
         before = tl.load(bits_ptr + element, mask=mask).to(DTYPE, bitcast=True).to(tl.float32)
@@ -103,8 +108,9 @@ def _multi_accumulate_kernel(
         else:
             stored = to_storage(total, DTYPE)
         tl.store(bits_ptr + element, stored.to(BITS, bitcast=True), mask=mask)
-        change = tl.where(mask, stored.to(tl.float32) - before, 0.0)
-        partial = tl.sum(change * change, axis=0)
+        change = tl.where(mask, stored.to(tl.float64) - before.to(tl.float64), 0.0)  # exact in float64
+        # tl.reduce with our own combine: tl.sum's is jitted at `import triton`, which may precede the interpreter.
+        partial = tl.reduce(change * change, 0, _add)
     tl.store(partials_ptr + tl.program_id(0), partial)
 
 
@@ -112,10 +118,14 @@ def _multi_accumulate_kernel(
 
 
 def _grid(table: RunTable) -> tuple[int, int]:
-    """(tiles per row, counters per tile): one fixed BLOCK per device, so no table size ever recompiles."""
-    block = noise_block(table.device)
+    """(tiles per row, counters per tile). On a GPU one fixed BLOCK, so no table ever recompiles a kernel; the CPU
+    interpreter compiles nothing and pays per element, so there the tile shrinks to the longest row."""
     aligned = table.chunk_size % 4 == 0  # rows then start on a Philox block boundary
-    return triton.cdiv(blocks_spanned(table.longest_run, aligned=aligned), block), block
+    counters = blocks_spanned(table.longest_run, aligned=aligned)
+    block = noise_block(table.device)
+    if table.device.type == "cpu":
+        block = min(block, triton.next_power_of_2(max(counters, 1)))
+    return triton.cdiv(counters, block), block
 
 
 def member_segments(
@@ -188,7 +198,7 @@ def multi_accumulate_(
     )
     tiles, block = _grid(table)
     programs = table.num_runs * tiles
-    partials = torch.empty(programs, dtype=torch.float32, device=table.device)
+    partials = torch.empty(programs, dtype=torch.float64, device=table.device)
     if programs:
         dtype, bits, _ = _TYPES[table.dtype]
         seed_lo, seed_hi, _, _ = stream_args(seed, 0, 0)
@@ -196,4 +206,4 @@ def multi_accumulate_(
             table.runs, table.pointers, table.ids, first_member, end_member, sorted_members, sorted_coeffs, partials,
             tiles, seed_lo, seed_hi, DTYPE=dtype, BITS=bits, STOCHASTIC=rounding == "stochastic", BLOCK=block,
         )
-    return partials.to(torch.float64).sum()
+    return partials.sum()

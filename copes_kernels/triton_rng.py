@@ -98,8 +98,8 @@ def philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.cons
     q = first_block + tl.arange(0, BLOCK).to(tl.int64)
     c0 = q.to(tl.uint32)
     c1 = (q >> 32).to(tl.uint32)
-    c2 = tl.zeros([BLOCK], dtype=tl.uint32) + member.to(tl.uint32)
-    c3 = tl.zeros([BLOCK], dtype=tl.uint32) + tensor_id.to(tl.uint32)
+    c2 = tl.full([BLOCK], 0, tl.uint32) + member.to(tl.uint32)  # tl.full, a builtin (see in_element_order)
+    c3 = tl.full([BLOCK], 0, tl.uint32) + tensor_id.to(tl.uint32)
     return philox_rounds(c0, c1, c2, c3, seed_lo.to(tl.uint32), seed_hi.to(tl.uint32))
 
 
@@ -116,8 +116,13 @@ def uniforms(x0, x1, x2, x3):
 
 @triton.jit
 def in_element_order(w0, w1, w2, w3):
-    """[BLOCK] x 4 per-counter values -> [4 BLOCK] with element 4q + k holding w_k."""
-    return tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))
+    """[BLOCK] x 4 per-counter values -> [4 BLOCK] with element 4q + k holding w_k.
+
+    tl.join + reshape (builtins) rather than tl.interleave, a @triton.jit helper of triton.language: when triton is
+    imported before TRITON_INTERPRET is set (transformers imports it), such helpers cannot run in the interpreter."""
+    pairs02 = tl.join(w0, w2)  # [BLOCK, 2]
+    pairs13 = tl.join(w1, w3)
+    return tl.reshape(tl.join(pairs02, pairs13), [4 * w0.shape[0]])  # [BLOCK, 2, 2]: (q, k & 1, k >> 1)
 
 
 @triton.jit
