@@ -22,14 +22,18 @@ setup(
         "pyyaml>=6.0",
         "tqdm>=4.66",
         "matplotlib>=3.8",
-        "math-verify>=0.7",
-        "bm25s>=0.2",
-        "datasets>=3.0",
     ],
     extras_require={
         # Triton ships with CUDA builds of torch; on CPU it only serves the interpreter-mode kernel tests.
         "triton": ["triton>=3.2"],
-        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.2"],
+        # Optional features (copes/extras.py): imported only where used, so a bare GPU image runs without them.
+        "math": ["math-verify>=0.7"],
+        "search": ["bm25s>=0.2"],
+        "hub": ["datasets>=3.0"],
+        "test": [
+            "pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.2", "math-verify>=0.7", "bm25s>=0.2",
+            "datasets>=3.0",
+        ],
         "tensorboard": ["tensorboard>=2.15"],
     },
     entry_points={

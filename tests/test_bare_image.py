@@ -1,0 +1,63 @@
+"""A bare GPU image (torch, triton, transformers, ... but no math-verify, bm25s or datasets, and for kernels_tests no
+scipy) imports `copes_kernels`, every `copes` module, the benchmark scripts and the kernel tests; a feature that
+needs a missing extra fails with one line naming it. Proved in a subprocess where they look uninstalled."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A None entry in sys.modules makes `import name` raise ModuleNotFoundError and importlib.util.find_spec(name) return
+# None: the module looks uninstalled to the code under test and to the libraries it imports.
+BLOCKER = """
+import sys
+for name in {blocked!r}:
+    sys.modules[name] = None
+"""
+
+
+def _run_blocked(blocked: set[str], body: str) -> subprocess.CompletedProcess:
+    script = BLOCKER.format(blocked=blocked) + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{ROOT / 'bench'}", "HOME": str(ROOT)},
+    )
+
+
+def test_engine_benchmarks_and_kernel_tests_import_without_the_optional_extras(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "1", "title": "t", "text": "x"}\n')
+    result = _run_blocked({"math_verify", "bm25s", "datasets", "scipy"}, f"""
+        import importlib, pkgutil
+        import copes, copes_kernels
+        for package in (copes, copes_kernels):
+            for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+                importlib.import_module(module.name)
+        for script in ("harness", "models", "memory_probe", "bench_kernels", "step_overhead", "vs_naive", "memory",
+                       "eggroll_throughput", "sample_efficiency", "copes_vs_es_mlp"):
+            importlib.import_module(script)
+        for test_module in ("test_rng", "test_perturb", "test_update", "test_lowrank", "test_multi_tensor",
+                            "test_partition", "test_errors", "test_lowering"):
+            importlib.import_module("kernels_tests." + test_module)
+        from copes.errors import UserError
+        from copes.rewards import MathVerifierPool
+        from copes.tools import BM25Search
+        from copes.extras import require
+        for make in (lambda: BM25Search({str(corpus)!r}), MathVerifierPool, lambda: require("datasets")):
+            try:
+                make()
+            except UserError as error:
+                print("error:", error)
+        print("imported")
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "imported"
+    assert "error: the local BM25 search tool needs the 'bm25s' package, which is not installed: " \
+           "pip install 'copes[search]'" in lines
+    assert any("'math-verify' package" in line and "copes[math]" in line for line in lines)
+    assert any("'datasets' package" in line and "copes[hub]" in line for line in lines)
