@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
-from copes_kernels._shared import ROUNDING_STREAM_WORD, round_stochastic, to_storage
+from copes_kernels._shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
 from copes_kernels.run_tables import RUN_COLUMNS, RunTable
-from copes_kernels.triton_rng import blocks_spanned, noise_block, normal_tile, stream_args, uniform_tile
+from copes_kernels.triton_rng import normal_tile, stream_args, uniform_tile
 
 # Storage dtype -> (Triton float type, integer type of the same width for bit-exact copies).
 _TYPES = {
@@ -118,14 +118,8 @@ def _multi_accumulate_kernel(
 
 
 def _grid(table: RunTable) -> tuple[int, int]:
-    """(tiles per row, counters per tile). On a GPU one fixed BLOCK, so no table ever recompiles a kernel; the CPU
-    interpreter compiles nothing and pays per element, so there the tile shrinks to the longest row."""
-    aligned = table.chunk_size % 4 == 0  # rows then start on a Philox block boundary
-    counters = blocks_spanned(table.longest_run, aligned=aligned)
-    block = noise_block(table.device)
-    if table.device.type == "cpu":
-        block = min(block, triton.next_power_of_2(max(counters, 1)))
-    return triton.cdiv(counters, block), block
+    """(tiles per row, counters per tile): rows start at chunk boundaries of whole tensors (offset 0)."""
+    return noise_tiles_per_run(table.longest_run, offset=0, chunk_size=table.chunk_size, device=table.device)
 
 
 def member_segments(

@@ -38,7 +38,7 @@ def test_engine_benchmarks_and_kernel_tests_import_without_the_optional_extras(t
             for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
                 importlib.import_module(module.name)
         for script in ("harness", "models", "memory_probe", "bench_kernels", "step_overhead", "vs_naive", "memory",
-                       "eggroll_throughput", "sample_efficiency", "copes_vs_es_mlp"):
+                       "eggroll_throughput", "sample_efficiency", "copes_vs_es_mlp", "engine_overhead"):
             importlib.import_module(script)
         for test_module in ("test_rng", "test_perturb", "test_update", "test_lowrank", "test_multi_tensor",
                             "test_partition", "test_errors", "test_lowering"):
