@@ -213,9 +213,11 @@ def as_member_list(member: int | Sequence[int] | torch.Tensor) -> tuple[list[int
 
 
 def check_lowrank_linear_args(
-    x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, row_member: torch.Tensor, sigma: float
+    x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, row_member: torch.Tensor, sigma: float,
+    *, check_rows: bool = True,
 ) -> int:
-    """Shapes, dtypes and devices of a batched population forward; returns the rank."""
+    """Shapes, dtypes and devices of a batched population forward (and row_member's range unless `check_rows` is
+    False: the one check that reads device data); returns the rank."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out, in], got {tuple(weight.shape)}")
     if x.dim() < 2 or x.shape[-1] != weight.shape[1]:
@@ -225,7 +227,7 @@ def check_lowrank_linear_args(
         raise ValueError(f"row_member must be int64 of shape ({x.shape[0]},), got {row_member.dtype} {tuple(row_member.shape)}")
     for name, t in (("A", A), ("B", B), ("row_member", row_member), ("weight", weight)):
         check_same_device(name, t, x, "x")
-    if row_member.numel() and (int(row_member.min()) < 0 or int(row_member.max()) >= A.shape[0]):
+    if check_rows and row_member.numel() and (int(row_member.min()) < 0 or int(row_member.max()) >= A.shape[0]):
         raise ValueError(f"row_member values must index the population of {A.shape[0]}")
     check_finite("sigma", sigma)
     return rank

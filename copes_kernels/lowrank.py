@@ -123,12 +123,15 @@ def lowrank_linear(
     B: torch.Tensor,
     row_member: torch.Tensor,
     sigma: float,
+    check_rows: bool = True,
 ) -> torch.Tensor:
     """Row b of x (shape [batch, ..., in]) sees W + sigma / sqrt(r) * A_m B_m^T with m = row_member[b].
 
     One base GEMM for the whole batch (torch) plus the per-row rank-r correction (one Triton launch).
+    `check_rows=False` skips the range check of row_member (two reads of device data): for callers that
+    validated the rows once for many calls, e.g. once per population forward.
     """
-    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma)
+    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma, check_rows=check_rows)
     out = F.linear(x, weight, bias).contiguous()
     batch, out_features, in_features = x.shape[0], weight.shape[0], weight.shape[1]
     tokens = out.numel() // max(batch * out_features, 1)

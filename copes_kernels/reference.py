@@ -213,12 +213,13 @@ def lowrank_linear(
     B: torch.Tensor,
     row_member: torch.Tensor,
     sigma: float,
+    check_rows: bool = True,
 ) -> torch.Tensor:
     """Row b of x (shape [batch, ..., in]) sees W + sigma / sqrt(r) * A_m B_m^T with m = row_member[b].
 
     One base GEMM for the whole batch plus a rank-r correction per row: (x B_m) A_m^T, in float32.
     """
-    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma)
+    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma, check_rows=check_rows)
     base = F.linear(x, weight, bias)
     x_rows = x.reshape(x.shape[0], -1, x.shape[-1]).float()  # [batch, tokens, in]
     projected = torch.bmm(x_rows, B[row_member])  # [batch, tokens, r]

@@ -132,3 +132,22 @@ def test_multi_tensor_weights_match_the_per_tensor_path_bit_for_bit(monkeypatch:
     fused_state, per_tensor_state = fused.model.state_dict(), per_tensor.model.state_dict()
     for name, tensor in fused_state.items():
         assert torch.equal(tensor.view(torch.int16), per_tensor_state[name].view(torch.int16)), name
+
+
+def test_eggroll_population_forward_reads_nothing_back_from_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """member_of_row is validated once per row_members block, so lowrank_linear itself makes no host sync."""
+    monkeypatch.setenv("COPES_BACKEND", "triton")
+    model = tiny_qwen3(seed=3, num_hidden_layers=2)
+    es = copes.EGGROLL(model, population=4, sigma=0.05, lr=0.01, rank=1, seed=11)
+    tokens = torch.arange(4 * 5).view(4, 5) % model.config.vocab_size
+    counted: list[Counter] = []
+
+    def fitness(model: torch.nn.Module, row_members) -> torch.Tensor:
+        with row_members(torch.arange(4)):
+            with counting(monkeypatch) as counts:
+                logits = model(tokens).logits
+            counted.append(counts)
+        return -logits.float().square().mean(dim=(1, 2))
+
+    es.step(fitness)
+    assert counted[0]["launches"] >= 7 and counted[0]["syncs"] == 0, counted[0]  # 7 linears per layer, 2 layers
