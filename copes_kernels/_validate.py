@@ -287,6 +287,7 @@ def check_multi_perturb_args(
 def check_multi_accumulate_args(
     table: RunTable,
     *,
+    seed: int,
     members: Sequence[int] | torch.Tensor,
     coeffs: Sequence[float] | torch.Tensor,
     member_subspaces: Sequence[int] | torch.Tensor,
@@ -295,6 +296,7 @@ def check_multi_accumulate_args(
     """Members (int64), coeffs (float32) and member_subspaces (int64), validated, on the host (one read-back per
     update when they were on the device)."""
     check_run_table(table)
+    check_stream_ids(seed, 0, 0)
     check_rounding(rounding, table.tensors[0])
     host = torch.empty(0)
     members_h, coeffs_h = as_members_and_coeffs(host, torch.as_tensor(members).cpu(), torch.as_tensor(coeffs).cpu())

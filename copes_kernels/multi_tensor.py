@@ -24,7 +24,7 @@ import triton.language as tl
 
 from copes_kernels import _validate as v
 from copes_kernels._shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
-from copes_kernels.run_tables import RUN_COLUMNS, RunTable
+from copes_kernels.run_tables import RUN_COLUMNS, RunTable, upload
 from copes_kernels.triton_rng import normal_tile, stream_args, uniform_tile
 
 # Storage dtype -> (Triton float type, integer type of the same width for bit-exact copies).
@@ -123,29 +123,17 @@ def _grid(table: RunTable) -> tuple[int, int]:
 
 
 def member_segments(
-    table: RunTable,
-    *,
-    members: Sequence[int] | torch.Tensor,
-    coeffs: Sequence[float] | torch.Tensor,
-    member_subspaces: Sequence[int] | torch.Tensor,
-    rounding: str,
+    table: RunTable, members_h: torch.Tensor, coeffs_h: torch.Tensor, subspaces_h: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """(first member, end member) per subspace and the members and coeffs sorted by subspace, on the device.
-
-    Built on the host (the members are the step's plan) and uploaded: one copy for the integers, one for coeffs."""
-    members_h, coeffs_h, subspaces_h = v.check_multi_accumulate_args(
-        table, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
-    )
+    """(first member, end member) per subspace and the members and coeffs sorted by subspace, on the device, from
+    validated host tensors (the step's plan): one upload for the integers, one for the coeffs."""
     order = torch.argsort(subspaces_h, stable=True)
     sorted_subspaces = subspaces_h[order].contiguous()
     every_subspace = torch.arange(table.num_subspaces, dtype=torch.int64)
     first = torch.searchsorted(sorted_subspaces, every_subspace, right=False)
     end = torch.searchsorted(sorted_subspaces, every_subspace, right=True)
-    integers = torch.cat([first, end, members_h[order]])
-    pinned = table.device.type == "cuda"
-    integers = (integers.pin_memory() if pinned else integers).to(table.device, non_blocking=True)
-    sorted_coeffs = coeffs_h[order]
-    sorted_coeffs = (sorted_coeffs.pin_memory() if pinned else sorted_coeffs).to(table.device, non_blocking=True)
+    integers = upload(torch.cat([first, end, members_h[order]]), table.device)
+    sorted_coeffs = upload(coeffs_h[order], table.device)
     k = table.num_subspaces
     return integers[:k], integers[k : 2 * k], integers[2 * k :], sorted_coeffs
 
@@ -187,9 +175,10 @@ def multi_accumulate_(
 ) -> torch.Tensor:
     """Add the reward-weighted noise of `members` to every tensor of `table` (a table of every chunk: subspace
     None), each run only the members of its own subspace; returns the squared L2 norm of the change as stored."""
-    first_member, end_member, sorted_members, sorted_coeffs = member_segments(
-        table, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
+    host = v.check_multi_accumulate_args(
+        table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
     )
+    first_member, end_member, sorted_members, sorted_coeffs = member_segments(table, *host)
     tiles, block = _grid(table)
     programs = table.num_runs * tiles
     partials = torch.empty(programs, dtype=torch.float64, device=table.device)

@@ -294,7 +294,7 @@ def multi_accumulate_(
     from copes_kernels import _dispatch as ops
 
     members_h, coeffs_h, subspaces_h = v.check_multi_accumulate_args(
-        table, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
+        table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
     )
     squared = torch.zeros((), dtype=torch.float64, device=table.device)
     for tensor, tensor_id, chunk_subspace in zip(table.tensors, table.tensor_ids, table.chunk_subspaces):

@@ -57,6 +57,13 @@ class RunTable:
         return self.runs.shape[0]
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One host -> device copy, asynchronous on CUDA (through pinned memory), so it never waits for the GPU."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _host_runs(numel: int, host_partition: np.ndarray, subspace: int | None, chunk_size: int) -> np.ndarray:
     """[rows, 3] (start, stop, subspace) of the chunks of one tensor that `subspace` owns (all when None)."""
     chunks = np.arange(host_partition.size, dtype=np.int64)
@@ -105,11 +112,8 @@ def build_run_table(
     backup_offsets = np.cumsum(lengths) - lengths
     host_runs = np.stack([table[:, 0], table[:, 1], table[:, 2], backup_offsets, table[:, 3]], axis=1)
     header = np.array([[t.data_ptr() for t in tensors], [int(i) for i in tensor_ids]], dtype=np.int64)
-    # One upload for the whole table: pointers, ids and runs in one buffer (pinned, so the copy is asynchronous).
-    packed = torch.from_numpy(np.concatenate([header.reshape(-1), host_runs.reshape(-1)]))
-    if device.type == "cuda":
-        packed = packed.pin_memory()
-    packed = packed.to(device, non_blocking=True)
+    # One upload for the whole table: pointers, ids and runs in one buffer.
+    packed = upload(torch.from_numpy(np.concatenate([header.reshape(-1), host_runs.reshape(-1)])), device)
     count = len(tensors)
     return RunTable(
         tensors=tensors,
