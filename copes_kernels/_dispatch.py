@@ -61,6 +61,9 @@ def backend_for(device: torch.device | str | None) -> str:
 
 def _triton_module(name: str, device: torch.device | str | None) -> ModuleType:
     module_name = TRITON_MODULES[name]
+    # Pin fp fusion (a*b + c -> one FMA) to what the kernels were measured and tested with: Triton's default
+    # changes in 3.10 (and it warns until then). An explicit TRITON_DEFAULT_FP_FUSION from the user still wins.
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     on_cpu = device is None or torch.device(device).type == "cpu"
     if on_cpu and module_name not in importlib.sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -154,6 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiler this script exercises")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as the dispatcher pins it
     target = GPUTarget("cuda", args.arch, 32)
     for name, kernel, signature, constexprs in kernel_cases():
         # Constexprs keyed by (argument index,): the form every Triton 3.x accepts.
