@@ -66,13 +66,19 @@ def kernel_cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]
                         run_first_member_ptr="*i64", run_end_member_ptr="*i64", members_ptr="*i64", coeffs_ptr="*fp32",
                         tiles_per_run="i32", STOCHASTIC="constexpr", BLOCK="constexpr"),
              {"STOCHASTIC": dtype != "fp32", "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
-            (f"lowrank_correction[{dtype}]", lowrank._lowrank_correction_kernel,
-             _signature(lowrank._lowrank_correction_kernel, out_ptr=f"*{dtype}", x_ptr=f"*{dtype}", a_ptr="*fp32",
-                        b_ptr="*fp32", row_member_ptr="*i64", tokens="i32", in_features="i32", out_features="i32",
-                        rank="i32", scale="fp32", BLOCK_T="constexpr", BLOCK_K="constexpr", BLOCK_O="constexpr",
-                        RANK="constexpr"),
-             {"BLOCK_T": 16, "BLOCK_K": lowrank.BLOCK_IN, "BLOCK_O": lowrank.BLOCK_OUT, "RANK": lowrank.MIN_DOT}),
         ]
+        lowrank_signature = _signature(
+            lowrank._lowrank_correction_kernel, out_ptr=f"*{dtype}", x_ptr=f"*{dtype}", a_ptr="*fp32", b_ptr="*fp32",
+            row_member_ptr="*i64", tokens="i32", in_features="i32", out_features="i32", rank="i32", scale="fp32",
+            BLOCK_T="constexpr", BLOCK_K="constexpr", BLOCK_O="constexpr", RANK="constexpr", USE_DOT="constexpr",
+        )
+        tiles = {"BLOCK_K": lowrank.BLOCK_IN, "BLOCK_O": lowrank.BLOCK_OUT}
+        # tl.dot at its token tile (16: the smallest tl.dot allows; larger ones spill); the FMA path for decode
+        # (1 token, rank 1) and for a rank-1 prefill tile.
+        for label, token_tile, rank_tile, use_dot in (("dot", lowrank.MAX_TOKEN_TILE, 16, True),
+                                                      ("decode", 1, 1, False), ("fma16", 16, 1, False)):
+            cases.append((f"lowrank_{label}[{dtype}]", lowrank._lowrank_correction_kernel, lowrank_signature,
+                          {**tiles, "BLOCK_T": token_tile, "RANK": rank_tile, "USE_DOT": use_dot}))
     bits = {"fp32": "i32", "bf16": "i16", "fp16": "i16"}
     for dtype in ("fp32", "bf16", "fp16"):
         types = {"DTYPE": dtype, "BITS": bits[dtype]}
