@@ -4,6 +4,7 @@ needs a missing extra fails with one line naming it. Proved in a subprocess wher
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,3 +62,19 @@ def test_engine_benchmarks_and_kernel_tests_import_without_the_optional_extras(t
            "pip install 'copes[search]'" in lines
     assert any("'math-verify' package" in line and "copes[math]" in line for line in lines)
     assert any("'datasets' package" in line and "copes[hub]" in line for line in lines)
+
+
+def test_gpu_check_installs_nothing_and_reports_each_phase(tmp_path: Path) -> None:
+    """Without a GPU the script stops after its env phase, with that phase's line in summary.txt and phases.csv."""
+    script = ROOT / "bench" / "gpu_check.sh"
+    assert not re.search(r"\bpip\b|install ", script.read_text().replace("installs nothing", ""))
+    result = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert result.returncode == 1
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("== env: FAILED (rc 1) in ") and "no CUDA device visible to torch" in summary[0]
+    assert summary[-1].startswith("gpu_check: FAILED (no usable GPU")
+    header, env_row = (tmp_path / "phases.csv").read_text().splitlines()
+    assert header == "phase,status,seconds" and re.fullmatch(r"env,FAILED,\d+", env_row)
