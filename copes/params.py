@@ -344,14 +344,14 @@ class ParameterSpace:
             raise RuntimeError("perturb() called while another perturbation is applied; call restore() first")
         if self._fused():
             tables = self._tables(partition, subspace)
-            backups = []
+            group_backups = []
             for table in tables:
                 backup = None
                 if self.restore_mode == "device":
                     backup = torch.empty(table.backup_numel, dtype=table.dtype, device=table.device)
-                    backups.append(backup)
+                    group_backups.append(backup)
                 ck.multi_perturb_(table, seed=seed, member=member, sigma=sigma, backup=backup)
-            self._pending = _Perturbation(partition, seed, member, subspace, sigma, backups, tables)
+            self._pending = _Perturbation(partition, seed, member, subspace, sigma, group_backups, tables)
             return
         backups: list[torch.Tensor] = []
         for index, param, offset, view in self._slices():
