@@ -32,8 +32,12 @@ setup(
         "triton": ["triton>=3.2"],
         # The baselines the benchmarks compare against (bench/vs_grpo.py: TRL's GRPOTrainer).
         "bench": ["trl>=0.20"],
-        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.2", "trl>=0.20",
-                 "wandb>=0.18"],
+        # Installed by default; imported only where used (copes/extras.py), so a bare GPU image without them still
+        # runs the kernels and the engine, and these extras name what to install when a feature needs one.
+        "math": ["math-verify>=0.7"],
+        "search": ["bm25s>=0.2"],
+        "hub": ["datasets>=3.0"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.2", "trl>=0.20", "wandb>=0.18"],
         "tensorboard": ["tensorboard>=2.15"],
         "wandb": ["wandb>=0.18"],
     },

@@ -34,6 +34,15 @@ Update precision (applies to 16-bit parameters; float32 ones always update in pl
 `stream_elements` processes every parameter in slices of that many elements (passing `offset`, so the noise
 and the chunk layout are those of the whole tensor): it bounds the transient memory (backups, staged masters,
 the update-norm snapshot) and gives bit-identical results for any slice size.
+
+Multi-tensor launches (`multi_tensor=True`, the default; used where the fused Triton kernels run): once per step
+the CPU-side partition becomes device-resident run tables, one per subspace and dtype group plus one of every
+chunk for the update (`copes_kernels.build_run_table`, one upload each). A member is then one perturb-and-backup
+launch and one restore launch per dtype group, and an update one accumulate launch per group with the norm
+measured in-kernel, whatever the number of tensors, and no host sync inside a member. They apply to restore
+"device" and "subtract" and to the "native" / "stochastic" precisions without `stream_elements` or an update
+rule; the other modes (and `multi_tensor=False`, the per-tensor path kept for comparison) loop over the
+per-tensor ops slice by slice, with the same weights bit for bit.
 """
 
 from __future__ import annotations
@@ -144,7 +153,8 @@ class _Perturbation:
     member: int
     subspace: int
     sigma: float
-    backups: list[torch.Tensor]  # packed chunks per slice, in slice order ("device" / "host")
+    backups: list[torch.Tensor]  # packed chunks per slice, in slice order ("device" / "host"); per table when fused
+    tables: list[ck.RunTable] | None = None  # the run tables of the fused path (None: the per-tensor path)
 
 
 class ParameterSpace:
@@ -161,6 +171,7 @@ class ParameterSpace:
         restore: str = "device",
         update_precision: str = "auto",
         stream_elements: int | None = None,
+        multi_tensor: bool = True,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -181,7 +192,12 @@ class ParameterSpace:
             self._make_parameter(name, param.detach(), tensor_id_for(name))
             for name, param in select_parameters(model, include, exclude, names)
         ]
+        self.multi_tensor = bool(multi_tensor)
         self._pending: _Perturbation | None = None
+        # The partition last returned by partition() with its CPU copy; the last partition used with its run tables
+        # by subspace (None: every chunk).
+        self._host_partition: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._run_tables: tuple[list[torch.Tensor], dict[int | None, list[ck.RunTable]]] | None = None
         self._host_buffers: dict[tuple[int, int], torch.Tensor] = {}
         if restore == "subtract":
             warnings.warn(
@@ -251,7 +267,9 @@ class ParameterSpace:
     def partition(self, seed: int, num_subspaces: int) -> list[torch.Tensor]:
         """Chunk -> subspace maps (int16), one per parameter, each on its parameter's device."""
         parts = ck.make_partition(self.chunk_counts, num_subspaces=num_subspaces, seed=seed)
-        return [part.to(p.data.device) for part, p in zip(parts, self.parameters)]
+        placed = [part.to(p.data.device) for part, p in zip(parts, self.parameters)]
+        self._host_partition = (placed, parts)  # sizes the run tables without reading the device copy back
+        return placed
 
     def _slices(self) -> Iterator[tuple[int, TrainableParameter, int, torch.Tensor]]:
         """(parameter index, parameter, offset, flat contiguous view) for every slice of every parameter."""
@@ -264,6 +282,55 @@ class ParameterSpace:
     def _layout(self, partition: list[torch.Tensor], index: int, subspace: int, offset: int) -> dict[str, Any]:
         return dict(chunk_subspace=partition[index], subspace=subspace, chunk_size=self.chunk_size, offset=offset)
 
+    # ---------------------------------------------------------------- run tables (multi-tensor launches)
+
+    def _fused(self, *, update: bool = False) -> bool:
+        """Whether this call takes the multi-tensor path (see the module docstring)."""
+        if not self.multi_tensor or self.stream_elements is not None:
+            return False
+        if update and any(p.precision not in ("native", "stochastic") for p in self.parameters):
+            return False
+        if not update and self.restore_mode == "host":
+            return False
+        return all(ck.backend_for(p.data.device) == "triton" for p in self.parameters)
+
+    def _tables(self, partition: list[torch.Tensor], subspace: int | None) -> list[ck.RunTable]:
+        """The run tables of `subspace` (every chunk when None), one per (device, dtype) group. A new partition
+        builds them all at once, for every subspace and the update: from the CPU copy partition() kept, else from
+        one read-back of `partition`."""
+        if self._run_tables is None or self._run_tables[0] is not partition:
+            if self._host_partition is not None and self._host_partition[0] is partition:
+                host = self._host_partition[1]
+            else:
+                host = [part.cpu() for part in partition]
+            # make_partition gives every subspace a chunk, so the largest id names K - 1.
+            num_subspaces = int(torch.cat(host).max()) + 1
+            groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+            for index, param in enumerate(self.parameters):
+                if param.numel:
+                    groups.setdefault((param.data.device, param.data.dtype), []).append(index)
+
+            def group_tables(table_subspace: int | None) -> list[ck.RunTable]:
+                return [
+                    ck.build_run_table(
+                        [self.parameters[i].data for i in indices],
+                        tensor_ids=[self.parameters[i].tensor_id for i in indices],
+                        chunk_subspaces=[partition[i] for i in indices],
+                        host_chunk_subspaces=[host[i] for i in indices],
+                        subspace=table_subspace,
+                        num_subspaces=num_subspaces,
+                        chunk_size=self.chunk_size,
+                    )
+                    for indices in groups.values()
+                ]
+
+            every = [*range(num_subspaces), None]
+            self._run_tables = (partition, {k: group_tables(k) for k in every})
+        tables = self._run_tables[1]
+        if subspace not in tables:
+            raise ValueError(f"subspace must be in [0, {len(tables) - 1}) for this partition, got {subspace}")
+        return tables[subspace]
+
     def synchronize(self) -> None:
         """Wait for queued kernels on every CUDA device holding a parameter (for honest phase timings)."""
         for device in {p.data.device for p in self.parameters if p.data.is_cuda}:
@@ -275,6 +342,17 @@ class ParameterSpace:
         """w += sigma * eps_member on the chunks of `subspace`, keeping what restore() needs to undo it."""
         if self._pending is not None:
             raise RuntimeError("perturb() called while another perturbation is applied; call restore() first")
+        if self._fused():
+            tables = self._tables(partition, subspace)
+            group_backups = []
+            for table in tables:
+                backup = None
+                if self.restore_mode == "device":
+                    backup = torch.empty(table.backup_numel, dtype=table.dtype, device=table.device)
+                    group_backups.append(backup)
+                ck.multi_perturb_(table, seed=seed, member=member, sigma=sigma, backup=backup)
+            self._pending = _Perturbation(partition, seed, member, subspace, sigma, group_backups, tables)
+            return
         backups: list[torch.Tensor] = []
         for index, param, offset, view in self._slices():
             layout = self._layout(partition, index, subspace, offset)
@@ -306,6 +384,14 @@ class ParameterSpace:
         pending = self._pending
         if pending is None:
             raise RuntimeError("restore() called without an applied perturbation")
+        if pending.tables is not None:
+            for index, table in enumerate(pending.tables):
+                if self.restore_mode == "subtract":
+                    ck.multi_perturb_(table, seed=pending.seed, member=pending.member, sigma=-pending.sigma)
+                else:
+                    ck.multi_restore_(table, pending.backups[index])
+            self._pending = None
+            return
         backups = iter(pending.backups)
         for index, param, offset, view in self._slices():
             layout = self._layout(pending.partition, index, pending.subspace, offset)
@@ -344,6 +430,16 @@ class ParameterSpace:
                 "update_precision='stochastic' only supports the plain (SGD) update; use a master precision for an "
                 "update rule such as Adam"
             )
+        if rule is None and self._fused(update=True):
+            squares = []
+            for table in self._tables(partition, None):
+                group_member = next(p for p in self.parameters if p.data.dtype == table.dtype)
+                squares.append(ck.multi_accumulate_(
+                    table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces,
+                    rounding=self._rounding(group_member),
+                ))
+                failpoint("update")  # crash tests: die with the update half applied
+            return math.sqrt(float(sum(s.to(squares[0].device) for s in squares))) if squares else 0.0  # one sync
 
         def add_noise_sum(index: int, param: TrainableParameter, offset: int, target: torch.Tensor) -> None:
             noise = dict(

@@ -33,6 +33,9 @@ TRITON_MODULES = {
     "lowrank_factors": "copes_kernels.lowrank",
     "lowrank_linear": "copes_kernels.lowrank",
     "lowrank_accumulate_": "copes_kernels.lowrank",
+    "multi_perturb_": "copes_kernels.multi_tensor",
+    "multi_restore_": "copes_kernels.multi_tensor",
+    "multi_accumulate_": "copes_kernels.multi_tensor",
 }
 
 
@@ -81,6 +84,9 @@ def backend_for(device: torch.device | str | None) -> str:
 
 def _triton_module(name: str, device: torch.device | str | None) -> ModuleType:
     module_name = TRITON_MODULES[name]
+    # Pin fp fusion (a*b + c -> one FMA) to what the kernels were measured and tested with: Triton's default
+    # changes in 3.10 (and it warns until then). An explicit TRITON_DEFAULT_FP_FUSION from the user still wins.
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     on_cpu = device is None or torch.device(device).type == "cpu"
     if on_cpu and module_name not in importlib.sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -118,6 +124,12 @@ def _first_tensor_device(first: torch.Tensor, *_: Any, **__: Any) -> torch.devic
     return first.device
 
 
+def _table_device(table: Any, *_: Any, **__: Any) -> torch.device:
+    if not hasattr(table, "runs"):
+        raise TypeError(f"expected a copes_kernels.RunTable as the first argument, got {type(table).__name__}")
+    return table.device
+
+
 def _device_keyword(*_: Any, device: torch.device | str | None = None, **__: Any) -> torch.device | str | None:
     return device
 
@@ -131,3 +143,6 @@ accumulate_ = dispatched("accumulate_", _first_tensor_device)
 lowrank_factors = dispatched("lowrank_factors", _device_keyword)
 lowrank_linear = dispatched("lowrank_linear", _first_tensor_device)
 lowrank_accumulate_ = dispatched("lowrank_accumulate_", _first_tensor_device)
+multi_perturb_ = dispatched("multi_perturb_", _table_device)
+multi_restore_ = dispatched("multi_restore_", _table_device)
+multi_accumulate_ = dispatched("multi_accumulate_", _table_device)

@@ -83,11 +83,14 @@ def _store_stochastic_kernel(
 def noise_tiles_per_run(longest: int, *, offset: int, chunk_size: int, device: torch.device) -> tuple[int, int]:
     """(tiles per run, counters per tile) for noise kernels over runs of at most `longest` elements.
 
-    Short runs get a smaller power-of-two tile, so small chunks do not generate noise nobody stores.
+    On a GPU the tile is one fixed BLOCK, so no tensor or run size compiles another kernel. The CPU interpreter
+    compiles nothing and pays per element, so there short runs get a smaller power-of-two tile.
     """
     aligned = offset % 4 == 0 and chunk_size % 4 == 0  # then every run starts on a Philox block boundary
     counters = blocks_spanned(longest, aligned=aligned)
-    block = min(noise_block(device), triton.next_power_of_2(max(counters, 1)))
+    block = noise_block(device)
+    if device.type == "cpu":
+        block = min(block, triton.next_power_of_2(max(counters, 1)))
     return triton.cdiv(counters, block), block
 
 

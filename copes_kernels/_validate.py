@@ -9,6 +9,7 @@ import torch
 
 from copes_kernels.partition import PARTITION_DTYPE
 from copes_kernels.rng import MASK32, check_stream_ids
+from copes_kernels.run_tables import RunTable
 
 FLOAT_STORAGE = (torch.float32, torch.bfloat16, torch.float16)
 ROUNDING_MODES = ("nearest", "stochastic")
@@ -212,9 +213,11 @@ def as_member_list(member: int | Sequence[int] | torch.Tensor) -> tuple[list[int
 
 
 def check_lowrank_linear_args(
-    x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, row_member: torch.Tensor, sigma: float
+    x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, row_member: torch.Tensor, sigma: float,
+    *, check_rows: bool = True,
 ) -> int:
-    """Shapes, dtypes and devices of a batched population forward; returns the rank."""
+    """Shapes, dtypes and devices of a batched population forward (and row_member's range unless `check_rows` is
+    False: the one check that reads device data); returns the rank."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out, in], got {tuple(weight.shape)}")
     if x.dim() < 2 or x.shape[-1] != weight.shape[1]:
@@ -224,7 +227,7 @@ def check_lowrank_linear_args(
         raise ValueError(f"row_member must be int64 of shape ({x.shape[0]},), got {row_member.dtype} {tuple(row_member.shape)}")
     for name, t in (("A", A), ("B", B), ("row_member", row_member), ("weight", weight)):
         check_same_device(name, t, x, "x")
-    if row_member.numel() and (int(row_member.min()) < 0 or int(row_member.max()) >= A.shape[0]):
+    if check_rows and row_member.numel() and (int(row_member.min()) < 0 or int(row_member.max()) >= A.shape[0]):
         raise ValueError(f"row_member values must index the population of {A.shape[0]}")
     check_finite("sigma", sigma)
     return rank
@@ -248,3 +251,58 @@ def lowrank_updated(
     weighted_A = (A * coeffs_t[:, None, None]).permute(1, 0, 2).reshape(A.shape[1], -1)  # [m, P r]
     stacked_B = B.permute(1, 0, 2).reshape(B.shape[1], -1)  # [n, P r]
     return weight.float() + float(scale) * (weighted_A @ stacked_B.T)
+
+
+def check_run_table(table: RunTable) -> None:
+    if not isinstance(table, RunTable):
+        raise TypeError(f"expected a copes_kernels.RunTable (build_run_table), got {type(table).__name__}")
+
+
+def check_multi_backup(table: RunTable, backup: torch.Tensor) -> None:
+    """A backup for `table`: its dtype, backup_numel elements, contiguous."""
+    check_run_table(table)
+    if table.subspace is None:
+        raise ValueError("backup and restore need the run table of one subspace, not the table of every chunk")
+    if not isinstance(backup, torch.Tensor) or backup.dtype != table.dtype or not backup.is_contiguous():
+        raise ValueError(f"backup must be a contiguous {table.dtype} tensor")
+    if backup.numel() != table.backup_numel:
+        raise ValueError(
+            f"backup has {backup.numel()} elements but subspace {table.subspace} covers {table.backup_numel} here"
+        )
+
+
+def check_multi_perturb_args(
+    table: RunTable, *, seed: int, member: int, sigma: float, backup: torch.Tensor | None
+) -> None:
+    check_run_table(table)
+    if table.subspace is None:
+        raise ValueError("multi_perturb_ needs the run table of one subspace, not the table of every chunk")
+    check_stream_ids(seed, member, 0)
+    check_finite("sigma", sigma)
+    if backup is not None:
+        check_multi_backup(table, backup)
+        check_same_device("backup", backup, table.runs, "the run table")
+
+
+def check_multi_accumulate_args(
+    table: RunTable,
+    *,
+    seed: int,
+    members: Sequence[int] | torch.Tensor,
+    coeffs: Sequence[float] | torch.Tensor,
+    member_subspaces: Sequence[int] | torch.Tensor,
+    rounding: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Members (int64), coeffs (float32) and member_subspaces (int64), validated, on the host (one read-back per
+    update when they were on the device)."""
+    check_run_table(table)
+    check_stream_ids(seed, 0, 0)
+    check_rounding(rounding, table.tensors[0])
+    host = torch.empty(0)
+    members_h, coeffs_h = as_members_and_coeffs(host, torch.as_tensor(members).cpu(), torch.as_tensor(coeffs).cpu())
+    subspaces_h = torch.as_tensor(member_subspaces, dtype=torch.int64).reshape(-1).cpu()
+    if subspaces_h.numel() != members_h.numel():
+        raise ValueError(f"member_subspaces has {subspaces_h.numel()} entries but members has {members_h.numel()}")
+    if subspaces_h.numel() and (int(subspaces_h.min()) < 0 or int(subspaces_h.max()) >= table.num_subspaces):
+        raise ValueError(f"member_subspaces must be in [0, {table.num_subspaces})")
+    return members_h, coeffs_h, subspaces_h

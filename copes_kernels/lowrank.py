@@ -6,8 +6,12 @@
 
 The forward runs one base GEMM for the whole batch with torch, then one Triton program per (row, token tile)
 projects its tokens onto B_j (a [tokens, r] float32 tile kept in registers) and streams A_j over the output
-columns, adding the correction to the base output in place. The rank is padded to 16 because tl.dot needs
-at least 16 along every dimension; padded columns load as zeros.
+columns, adding the correction to the base output in place. Two ways to form the two small products:
+  tl.dot (USE_DOT)  prefill with rank >= 16: tensor cores, but tl.dot needs >= 16 along every side, so the token
+                    tile and the rank are padded to 16 (padded entries load as zeros);
+  FMA               decode (fewer than 16 tokens a row) or a small rank: broadcast-multiply and reduce on the fp32
+                    units, with the token tile and the rank only padded to their next power of two, so a 1-token
+                    row is not a 16-token tile and rank 1 is not rank 16.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ MIN_DOT = 16  # tl.dot's smallest tile side
 # 16-token tile is a 4 KB operand, small enough to double-buffer and large enough to keep loads coalesced.
 BLOCK_IN = 64
 BLOCK_OUT = 64
-MAX_TOKEN_TILE = 64  # prefill tiles: reuse each loaded factor tile across 64 tokens
+MAX_TOKEN_TILE = 16  # prefill tiles of 16 tokens: 32 and 64 spill on sm_90 (255 registers, 80-200 bytes of stack)
+# FMA path: the [tokens, BLOCK_IN, rank] product tile stays at <= 1024 fp32 values (8 per thread at 4 warps).
+FMA_TILE_VALUES = 1024 // BLOCK_IN
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
 
 
 @triton.jit
@@ -48,10 +59,14 @@ def _lowrank_correction_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_O: tl.constexpr,
     RANK: tl.constexpr,
+    USE_DOT: tl.constexpr,
 ):
-    """out[b, t, :] += scale * (x[b, t, :] B_m) A_m^T for one row b (member m) and BLOCK_T of its tokens."""
+    """out[b, t, :] += scale * (x[b, t, :] B_m) A_m^T for one row b (member m) and BLOCK_T of its tokens.
+
+    The FMA path reduces with tl.reduce over our own combine (tl.sum's is jitted at `import triton`, which may
+    precede the interpreter, see triton_rng.in_element_order)."""
     pid = tl.program_id(0).to(tl.int64)
-    token_tiles = tl.cdiv(tokens, BLOCK_T)
+    token_tiles = (tokens + BLOCK_T - 1) // BLOCK_T  # not tl.cdiv, a @triton.jit helper (see triton_rng.in_element_order)
     row = pid // token_tiles
     token = (pid % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     token_mask = token < tokens
@@ -61,13 +76,16 @@ def _lowrank_correction_kernel(
 
     x_rows = x_ptr + (row * tokens + token) * in_features
     b_member = b_ptr + member * in_features * rank
-    projected = tl.zeros([BLOCK_T, RANK], dtype=tl.float32)
+    projected = tl.full([BLOCK_T, RANK], 0.0, tl.float32)
     for k_start in range(0, in_features, BLOCK_K):
         k = k_start + tl.arange(0, BLOCK_K)
         k_mask = k < in_features
         x = tl.load(x_rows[:, None] + k[None, :], mask=token_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_member + k[:, None] * rank + r[None, :], mask=k_mask[:, None] & rank_mask[None, :], other=0.0)
-        projected += tl.dot(x.to(tl.float32), b, input_precision="ieee")
+        if USE_DOT:
+            projected += tl.dot(x.to(tl.float32), b, input_precision="ieee")
+        else:
+            projected += tl.reduce(x.to(tl.float32)[:, :, None] * b[None, :, :], 1, _add)
 
     out_rows = out_ptr + (row * tokens + token) * out_features
     a_member = a_ptr + member * out_features * rank
@@ -75,7 +93,10 @@ def _lowrank_correction_kernel(
         o = o_start + tl.arange(0, BLOCK_O)
         o_mask = o < out_features
         a_t = tl.load(a_member + o[None, :] * rank + r[:, None], mask=rank_mask[:, None] & o_mask[None, :], other=0.0)
-        correction = tl.dot(projected, a_t, input_precision="ieee")  # [BLOCK_T, BLOCK_O]
+        if USE_DOT:
+            correction = tl.dot(projected, a_t, input_precision="ieee")  # [BLOCK_T, BLOCK_O]
+        else:
+            correction = tl.reduce(projected[:, :, None] * a_t[None, :, :], 1, _add)
         mask = token_mask[:, None] & o_mask[None, :]
         base = tl.load(out_rows[:, None] + o[None, :], mask=mask).to(tl.float32)
         result = to_storage(base + scale * correction, out_ptr.dtype.element_ty)
@@ -123,22 +144,30 @@ def lowrank_linear(
     B: torch.Tensor,
     row_member: torch.Tensor,
     sigma: float,
+    check_rows: bool = True,
 ) -> torch.Tensor:
     """Row b of x (shape [batch, ..., in]) sees W + sigma / sqrt(r) * A_m B_m^T with m = row_member[b].
 
     One base GEMM for the whole batch (torch) plus the per-row rank-r correction (one Triton launch).
+    `check_rows=False` skips the range check of row_member (two reads of device data): for callers that
+    validated the rows once for many calls, e.g. once per population forward.
     """
-    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma)
+    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma, check_rows=check_rows)
     out = F.linear(x, weight, bias).contiguous()
     batch, out_features, in_features = x.shape[0], weight.shape[0], weight.shape[1]
     tokens = out.numel() // max(batch * out_features, 1)
     if out.numel() == 0:
         return out
-    token_tile = min(MAX_TOKEN_TILE, max(MIN_DOT, triton.next_power_of_2(tokens)))
+    use_dot = tokens >= MIN_DOT and rank >= MIN_DOT
+    if use_dot:
+        token_tile, rank_tile = min(MAX_TOKEN_TILE, triton.next_power_of_2(tokens)), triton.next_power_of_2(rank)
+    else:
+        rank_tile = triton.next_power_of_2(rank)
+        token_tile = max(1, min(triton.next_power_of_2(tokens), FMA_TILE_VALUES // rank_tile))
     _lowrank_correction_kernel[(batch * triton.cdiv(tokens, token_tile),)](
         out, x.contiguous(), A.contiguous(), B.contiguous(), row_member.contiguous(), tokens, in_features, out_features,
         rank, float(sigma) / math.sqrt(rank), BLOCK_T=token_tile, BLOCK_K=BLOCK_IN, BLOCK_O=BLOCK_OUT,
-        RANK=max(MIN_DOT, triton.next_power_of_2(rank)),
+        RANK=rank_tile, USE_DOT=use_dot,
     )
     return out
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from copes_kernels import _validate as v
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE, selected_runs
+from copes_kernels.run_tables import RunTable
 # philox4x32_10 is re-exported as the reference twin of the Triton op: the contract itself is the reference.
 from copes_kernels.rng import ROUNDING_STREAM, normal_stream, philox4x32_10, philox_blocks, words_to_uniform  # noqa: F401
 
@@ -212,12 +213,13 @@ def lowrank_linear(
     B: torch.Tensor,
     row_member: torch.Tensor,
     sigma: float,
+    check_rows: bool = True,
 ) -> torch.Tensor:
     """Row b of x (shape [batch, ..., in]) sees W + sigma / sqrt(r) * A_m B_m^T with m = row_member[b].
 
     One base GEMM for the whole batch plus a rank-r correction per row: (x B_m) A_m^T, in float32.
     """
-    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma)
+    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma, check_rows=check_rows)
     base = F.linear(x, weight, bias)
     x_rows = x.reshape(x.shape[0], -1, x.shape[-1]).float()  # [batch, tokens, in]
     projected = torch.bmm(x_rows, B[row_member])  # [batch, tokens, r]
@@ -243,3 +245,64 @@ def lowrank_accumulate_(
     updated = v.lowrank_updated(weight, A=A, B=B, coeffs=coeffs, scale=scale, rounding=rounding)
     _store(weight.view(-1), updated.view(-1), rounding=rounding, seed=seed, tensor_id=tensor_id, offset=0)
     return weight
+
+
+# ------------------------------------------------------------------ multi-tensor twins (over the per-tensor ops)
+# They loop over the per-tensor ops through the dispatcher, so on CPU they run whatever per-tensor backend is
+# active; imported lazily because the dispatcher imports this module.
+
+
+def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float, backup: torch.Tensor | None = None) -> None:
+    """Perturb every tensor of `table` on its subspace's chunks, first packing them into `backup` when given."""
+    from copes_kernels import _dispatch as ops
+
+    v.check_multi_perturb_args(table, seed=seed, member=member, sigma=sigma, backup=backup)
+    cursor = 0
+    for tensor, tensor_id, chunk_subspace in zip(table.tensors, table.tensor_ids, table.chunk_subspaces):
+        layout = dict(chunk_subspace=chunk_subspace, subspace=table.subspace, chunk_size=table.chunk_size)
+        if backup is not None:
+            packed = ops.backup_chunks(tensor, **layout)
+            backup[cursor : cursor + packed.numel()].copy_(packed)
+            cursor += packed.numel()
+        ops.perturb_(tensor, seed=seed, member=member, tensor_id=tensor_id, sigma=sigma, **layout)
+
+
+def multi_restore_(table: RunTable, backup: torch.Tensor) -> None:
+    """Write a `multi_perturb_` backup back into its chunks: the exact inverse, bit for bit."""
+    from copes_kernels import _dispatch as ops
+
+    v.check_multi_backup(table, backup)
+    cursor = 0
+    for tensor, chunk_subspace, size in zip(table.tensors, table.chunk_subspaces, table.backup_sizes):
+        ops.restore_chunks_(
+            tensor, backup[cursor : cursor + size], chunk_subspace=chunk_subspace, subspace=table.subspace,
+            chunk_size=table.chunk_size,
+        )
+        cursor += size
+
+
+def multi_accumulate_(
+    table: RunTable,
+    *,
+    seed: int,
+    members: Sequence[int] | torch.Tensor,
+    coeffs: Sequence[float] | torch.Tensor,
+    member_subspaces: Sequence[int] | torch.Tensor,
+    rounding: str = "nearest",
+) -> torch.Tensor:
+    """Add the reward-weighted noise to every tensor of `table`; returns the squared L2 norm of the stored change."""
+    from copes_kernels import _dispatch as ops
+
+    members_h, coeffs_h, subspaces_h = v.check_multi_accumulate_args(
+        table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
+    )
+    squared = torch.zeros((), dtype=torch.float64, device=table.device)
+    for tensor, tensor_id, chunk_subspace in zip(table.tensors, table.tensor_ids, table.chunk_subspaces):
+        before = tensor.clone()
+        ops.accumulate_(
+            tensor, seed=seed, members=members_h, coeffs=coeffs_h, tensor_id=tensor_id, chunk_subspace=chunk_subspace,
+            member_subspaces=subspaces_h, chunk_size=table.chunk_size, rounding=rounding,
+        )
+        norm = torch.linalg.vector_norm(tensor.float() - before.float(), dtype=torch.float64)
+        squared += norm * norm
+    return squared

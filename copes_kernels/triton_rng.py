@@ -46,6 +46,19 @@ _ROUNDS: tl.constexpr = tl.constexpr(PHILOX_ROUNDS)
 _SCALE: tl.constexpr = tl.constexpr(UNIFORM_SCALE)
 _HALF_STEP: tl.constexpr = tl.constexpr(UNIFORM_HALF_STEP)
 _TWO_PI: tl.constexpr = tl.constexpr(TWO_PI)
+# sincos: angles lie in (0, 2 pi], so one Cody-Waite reduction by pi/2 (three parts, each product k * part exact
+# for k <= 4) and Cephes' float32 minimax polynomials on [-pi/4, pi/4] give cos and sin together (~1 ulp), with
+# none of libdevice's large-argument (Payne-Hanek) paths and one reduction instead of two.
+_TWO_OVER_PI: tl.constexpr = tl.constexpr(0.636619772367581343)
+_PIO2_HI: tl.constexpr = tl.constexpr(1.5703125)
+_PIO2_MID: tl.constexpr = tl.constexpr(4.837512969970703125e-4)
+_PIO2_LO: tl.constexpr = tl.constexpr(7.54978995489188216e-8)
+_SIN1: tl.constexpr = tl.constexpr(-1.6666654611e-1)
+_SIN2: tl.constexpr = tl.constexpr(8.3321608736e-3)
+_SIN3: tl.constexpr = tl.constexpr(-1.9515295891e-4)
+_COS1: tl.constexpr = tl.constexpr(4.166664568298827e-2)
+_COS2: tl.constexpr = tl.constexpr(-1.388731625493765e-3)
+_COS3: tl.constexpr = tl.constexpr(2.443315711809948e-5)
 
 # Counters per program on a GPU: 2048 elements, 16 per thread at 4 warps, enough independent work per thread to
 # hide memory latency without spilling the Philox state.
@@ -98,8 +111,8 @@ def philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.cons
     q = first_block + tl.arange(0, BLOCK).to(tl.int64)
     c0 = q.to(tl.uint32)
     c1 = (q >> 32).to(tl.uint32)
-    c2 = tl.zeros([BLOCK], dtype=tl.uint32) + member.to(tl.uint32)
-    c3 = tl.zeros([BLOCK], dtype=tl.uint32) + tensor_id.to(tl.uint32)
+    c2 = tl.full([BLOCK], 0, tl.uint32) + member.to(tl.uint32)  # tl.full, a builtin (see in_element_order)
+    c3 = tl.full([BLOCK], 0, tl.uint32) + tensor_id.to(tl.uint32)
     return philox_rounds(c0, c1, c2, c3, seed_lo.to(tl.uint32), seed_hi.to(tl.uint32))
 
 
@@ -116,8 +129,13 @@ def uniforms(x0, x1, x2, x3):
 
 @triton.jit
 def in_element_order(w0, w1, w2, w3):
-    """[BLOCK] x 4 per-counter values -> [4 BLOCK] with element 4q + k holding w_k."""
-    return tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))
+    """[BLOCK] x 4 per-counter values -> [4 BLOCK] with element 4q + k holding w_k.
+
+    tl.join + reshape (builtins) rather than tl.interleave, a @triton.jit helper of triton.language: when triton is
+    imported before TRITON_INTERPRET is set (transformers imports it), such helpers cannot run in the interpreter."""
+    pairs02 = tl.join(w0, w2)  # [BLOCK, 2]
+    pairs13 = tl.join(w1, w3)
+    return tl.reshape(tl.join(pairs02, pairs13), [4 * w0.shape[0]])  # [BLOCK, 2, 2]: (q, k & 1, k >> 1)
 
 
 @triton.jit
@@ -136,17 +154,35 @@ def run_tile(run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi,
 
 
 @triton.jit
+def sincos(angle):
+    """(cos, sin) of float32 angles in [0, 2 pi] with one shared range reduction (constants above)."""
+    quadrant = (angle * _TWO_OVER_PI + 0.5).to(tl.int32)  # round to nearest: angle >= 0
+    k = quadrant.to(tl.float32)
+    r = angle - k * _PIO2_HI
+    r = r - k * _PIO2_MID
+    r = r - k * _PIO2_LO
+    r2 = r * r
+    s = r + r * r2 * (_SIN1 + r2 * (_SIN2 + r2 * _SIN3))
+    c = 1.0 - 0.5 * r2 + r2 * r2 * (_COS1 + r2 * (_COS2 + r2 * _COS3))
+    q = quadrant & 3
+    swap = (q & 1) == 1
+    cos_r = tl.where(swap, s, c)
+    sin_r = tl.where(swap, c, s)
+    cos = tl.where((q == 1) | (q == 2), -cos_r, cos_r)
+    sin = tl.where(q >= 2, -sin_r, sin_r)
+    return cos, sin
+
+
+@triton.jit
 def normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr):
     """eps of elements 4 * first_block + [0, 4 BLOCK), in element order, float32."""
     x0, x1, x2, x3 = philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
     u0, u1, u2, u3 = uniforms(x0, x1, x2, x3)
     radius01 = tl.sqrt_rn(-2.0 * tl.log(u0))
     radius23 = tl.sqrt_rn(-2.0 * tl.log(u2))
-    angle01 = _TWO_PI * u1
-    angle23 = _TWO_PI * u3
-    return in_element_order(
-        radius01 * tl.cos(angle01), radius01 * tl.sin(angle01), radius23 * tl.cos(angle23), radius23 * tl.sin(angle23)
-    )
+    cos01, sin01 = sincos(u1 * _TWO_PI)  # tensor first: constexpr * tensor stays a constexpr in the interpreter
+    cos23, sin23 = sincos(u3 * _TWO_PI)
+    return in_element_order(radius01 * cos01, radius01 * sin01, radius23 * cos23, radius23 * sin23)
 
 
 @triton.jit

@@ -7,6 +7,7 @@ stays unset and the "triton" backend runs the compiled kernels on the GPU.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -37,6 +38,8 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """Routes the public copes_kernels ops to one backend (through the real dispatcher)."""
     if request.param == "cpu" and torch.cuda.is_available():
         pytest.skip("the compiled CPU backend takes CPU tensors; on this machine the suite's device is CUDA")
+    if request.param == "cpu" and importlib.util.find_spec("numba") is None:
+        pytest.skip("the compiled CPU backend needs numba (installed with copes; absent on a bare GPU image)")
     monkeypatch.setenv("COPES_BACKEND", request.param)
     return request.param
 

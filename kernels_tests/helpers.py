@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType, SimpleNamespace
 
 import torch
 
-from copes_kernels import cpu, lowrank, perturb, reference, triton_rng, update
+from copes_kernels import lowrank, perturb, reference, triton_rng, update
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ODD_SIZES = (1, 7, 4097, (1 << 20) + 3)
@@ -28,7 +29,9 @@ TRITON_OPS = {
 
 def ops(backend: str) -> ModuleType | SimpleNamespace:
     """The op table of one backend: the reference module, the compiled CPU module or the Triton launchers."""
-    return {"reference": reference, "cpu": cpu}.get(backend) or SimpleNamespace(**TRITON_OPS)
+    if backend == "cpu":  # imported here: it is numba, which a bare GPU image may lack
+        return importlib.import_module("copes_kernels.cpu")
+    return reference if backend == "reference" else SimpleNamespace(**TRITON_OPS)
 
 
 def poisoned(n: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -28,5 +28,13 @@ def test_every_kernel_compiles_for_sm90() -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     compiled = {line.split()[0] for line in result.stdout.splitlines() if "sm_90" in line}
     assert compiled == {name for name, *_ in kernel_cases()}
-    spilled_bytes = re.findall(r"LOCAL:(\d+)", result.stdout)
-    assert spilled_bytes and set(spilled_bytes) == {"0"}, "a kernel spills registers to local memory"
+    spilled_bytes = re.findall(r"(?:LOCAL|STACK):(\d+)", result.stdout)
+    assert spilled_bytes and set(spilled_bytes) == {"0"}, "a kernel spills registers to local memory or the stack"
+    # Instruction budget (static SASS, bench/README.md): guards at today's counts. The goals (perturb <= 60
+    # per element, accumulate <= 45 per regenerated normal) are not met yet; a change that adds work fails here.
+    for line in result.stdout.splitlines():
+        name = line.split()[0].split("[")[0] if line.strip() else ""
+        if name in ("perturb", "multi_perturb"):
+            assert float(re.search(r" per-element:([\d.]+)", line).group(1)) <= 90, line
+        if name in ("accumulate", "multi_accumulate"):
+            assert float(re.search(r"loop-per-element:([\d.]+)", line).group(1)) <= 52, line

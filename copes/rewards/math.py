@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from copes.extras import check_installed
+
 DEFAULT_TIMEOUT_S = 10.0
 # math-verify's own alarms (whole seconds) end most slow checks gracefully, well before the outer timeout,
 # so the worker survives; the outer timeout is the backstop for what the alarms cannot interrupt.
@@ -172,6 +174,7 @@ class MathVerifierPool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        check_installed("math_verify")  # the workers import it; a missing extra is one clear line here
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self._idle: queue.Queue[_Worker] = queue.Queue()

@@ -102,7 +102,10 @@ def _route_linear(
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         _check_batch(name, x, slots)
-        return ck.lowrank_linear(x, linear.weight, linear.bias, A=noise.A, B=noise.B, row_member=slots, sigma=sigma)
+        # The rows were validated once for the whole block (row_members): no per-call read-back of slots.
+        return ck.lowrank_linear(
+            x, linear.weight, linear.bias, A=noise.A, B=noise.B, row_member=slots, sigma=sigma, check_rows=False
+        )
 
     # An instance-level forward (e.g. set by a wrapper library) is kept aside and put back afterwards.
     previous = linear.__dict__.get("forward")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from copes.errors import UserError
+from copes.extras import require
 from copes.tasks.base import Example
 
 DATA_DIR_ENV = "COPES_DATA_DIR"
@@ -125,7 +126,7 @@ def load_split_rows(
             f"no local file among {list(local_files)} under data dir {data_dir} and no hub copy of this split; "
             f"pass data_dir= or set ${DATA_DIR_ENV}"
         )
-    import datasets  # slow to import and needs the network: only when a split really comes from the hub
+    datasets = require("datasets")  # slow to import and needs the network: only when a split comes from the hub
 
     dataset = datasets.load_dataset(hub.repo, hub.config, split=hub.split)
     where = f"hub {hub.repo}[{hub.config or 'default'}] split {hub.split}"

@@ -22,9 +22,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import bm25s
+from copes.extras import require
+
+if TYPE_CHECKING:
+    import bm25s
 
 _INDEX_META_FILE = "copes_index.json"
 
@@ -132,6 +135,7 @@ class BM25Search(_BatchRetriever):
         if not self.passages:
             raise ValueError(f"corpus_path {self.corpus_path} holds no passages")
         self.index_dir = self.corpus_path.with_suffix(".bm25")
+        require("bm25s")  # before any work: a missing extra is one clear line
         stemmer_name, self._stem = _optional_stemmer()
         self._index_meta = {
             "k1": k1,
@@ -143,10 +147,10 @@ class BM25Search(_BatchRetriever):
         self._index = self._load_saved_index() or self._build_index(k1, b)
 
     def _tokenize(self, texts: list[str]) -> list[list[str]]:
-        return bm25s.tokenize(texts, stopwords="en", stemmer=self._stem, return_ids=False, show_progress=False)
+        return require("bm25s").tokenize(texts, stopwords="en", stemmer=self._stem, return_ids=False, show_progress=False)
 
     def _build_index(self, k1: float, b: float) -> bm25s.BM25:
-        index = bm25s.BM25(k1=k1, b=b)
+        index = require("bm25s").BM25(k1=k1, b=b)
         index.index(self._tokenize([f"{p.title} {p.text}" for p in self.passages]), show_progress=False)
         return index
 
@@ -154,7 +158,7 @@ class BM25Search(_BatchRetriever):
         meta_path = self.index_dir / _INDEX_META_FILE
         if not meta_path.is_file() or json.loads(meta_path.read_text()) != self._index_meta:
             return None
-        return bm25s.BM25.load(self.index_dir, show_progress=False)
+        return require("bm25s").BM25.load(self.index_dir, show_progress=False)
 
     def save_index(self) -> Path:
         self._index.save(self.index_dir, show_progress=False)

@@ -1,0 +1,192 @@
+"""Multi-tensor launches: one kernel covers every tensor of a run table (one dtype group, see run_tables.py).
+
+    multi_perturb_   : backup[b + i - start] = w[i];  w[i] = w[i] + sigma * eps_(member, tensor_id)(i)   per run row
+    multi_restore_   : w[i] = backup[b + i - start]                                                      per run row
+    multi_accumulate_: w[i] += sum_j coeffs[j] * [subspace(row) == member_subspaces[j]] * eps_j(i);
+                       returns sum over the group of (w_after - w_before)^2 (float64 0-d, on the device)
+
+Program = (run row, tile of BLOCK counters). A row names its tensor (pointer and tensor_id from the tensor
+table), its element bounds and its backup offset; the noise of element i is the contract's eps(i) of that tensor,
+so the weights come out bit for bit as the per-tensor ops leave them. Backup and restore move raw bits (integer
+views of the storage). The update's norm is measured in-kernel from the stored values: each program writes the
+float64 sum of its squared changes, and one device-side sum adds them in a fixed order (deterministic).
+
+Nothing here reads device data on the host: sizes come from the table's host-side fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from copes_kernels import _validate as v
+from copes_kernels._shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
+from copes_kernels.run_tables import RUN_COLUMNS, RunTable, upload
+from copes_kernels.triton_rng import normal_tile, stream_args, uniform_tile
+
+# Storage dtype -> (Triton float type, integer type of the same width for bit-exact copies).
+_TYPES = {
+    torch.float32: (tl.float32, tl.int32, torch.int32),
+    torch.bfloat16: (tl.bfloat16, tl.int16, torch.int16),
+    torch.float16: (tl.float16, tl.int16, torch.int16),
+}
+_RUN_COLUMNS: tl.constexpr = tl.constexpr(RUN_COLUMNS)
+MULTI_STREAM_ARGS = ["seed_lo", "seed_hi", "member"]
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _row_tile(runs_ptr, pointers_ptr, tiles_per_run, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, tile) -> row pointer, its tensor's bit pointer, first Philox block, element indices, mask."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = runs_ptr + (pid // tiles_per_run) * _RUN_COLUMNS
+    tensor = tl.load(row)
+    start = tl.load(row + 1)
+    stop = tl.load(row + 2)
+    first_block = (start >> 2) + (pid % tiles_per_run) * BLOCK
+    element = 4 * first_block + tl.arange(0, 4 * BLOCK).to(tl.int64)
+    mask = (element >= start) & (element < stop)
+    bits_ptr = tl.load(pointers_ptr + tensor).to(tl.pointer_type(BITS))
+    return row, tensor, start, bits_ptr, first_block, element, mask
+
+
+@triton.jit(do_not_specialize=MULTI_STREAM_ARGS)
+def _multi_perturb_kernel(
+    runs_ptr, pointers_ptr, ids_ptr, backup_ptr, tiles_per_run, sigma, seed_lo, seed_hi, member,
+    DTYPE: tl.constexpr, BITS: tl.constexpr, BACKUP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row, tensor, start, bits_ptr, first_block, element, mask = _row_tile(
+        runs_ptr, pointers_ptr, tiles_per_run, BITS, BLOCK
+    )
+    bits = tl.load(bits_ptr + element, mask=mask)
+    if BACKUP:
+        tl.store(backup_ptr + (tl.load(row + 3) - start) + element, bits, mask=mask)
+    eps = normal_tile(first_block, seed_lo, seed_hi, member, tl.load(ids_ptr + tensor), BLOCK)
+    x = bits.to(DTYPE, bitcast=True).to(tl.float32)
+    tl.store(bits_ptr + element, to_storage(x + sigma * eps, DTYPE).to(BITS, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _multi_restore_kernel(runs_ptr, pointers_ptr, backup_ptr, tiles_per_run, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    row, _, start, bits_ptr, _, element, mask = _row_tile(runs_ptr, pointers_ptr, tiles_per_run, BITS, BLOCK)
+    bits = tl.load(backup_ptr + (tl.load(row + 3) - start) + element, mask=mask)
+    tl.store(bits_ptr + element, bits, mask=mask)
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+def _multi_accumulate_kernel(
+    runs_ptr, pointers_ptr, ids_ptr, first_member_ptr, end_member_ptr, members_ptr, coeffs_ptr, partials_ptr,
+    tiles_per_run, seed_lo, seed_hi,
+    DTYPE: tl.constexpr, BITS: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Rows of a subspace without members are neither read nor written (their partial is 0)."""
+    row, tensor, _, bits_ptr, first_block, element, mask = _row_tile(
+        runs_ptr, pointers_ptr, tiles_per_run, BITS, BLOCK
+    )
+    subspace = tl.load(row + 4)
+    first_member = tl.load(first_member_ptr + subspace)
+    end_member = tl.load(end_member_ptr + subspace)
+    partial = tl.full([], 0.0, tl.float64)
+    if end_member > first_member:
+        tensor_id = tl.load(ids_ptr + tensor)
+        before = tl.load(bits_ptr + element, mask=mask).to(DTYPE, bitcast=True).to(tl.float32)
+        total = before
+        for j in range(first_member, end_member):
+            eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + j), tensor_id, BLOCK)
+            total += tl.load(coeffs_ptr + j) * eps
+        if STOCHASTIC:
+            rounding_stream = tl.full((), ROUNDING_STREAM_WORD, tl.uint32)
+            u = uniform_tile(first_block, seed_lo, seed_hi, rounding_stream, tensor_id, BLOCK)
+            stored = round_stochastic(total, u, DTYPE)
+        else:
+            stored = to_storage(total, DTYPE)
+        tl.store(bits_ptr + element, stored.to(BITS, bitcast=True), mask=mask)
+        change = tl.where(mask, stored.to(tl.float64) - before.to(tl.float64), 0.0)  # exact in float64
+        # tl.reduce with our own combine: tl.sum's is jitted at `import triton`, which may precede the interpreter.
+        partial = tl.reduce(change * change, 0, _add)
+    tl.store(partials_ptr + tl.program_id(0), partial)
+
+
+# ----------------------------------------------------------------------------------------------- host side
+
+
+def _grid(table: RunTable) -> tuple[int, int]:
+    """(tiles per row, counters per tile): rows start at chunk boundaries of whole tensors (offset 0)."""
+    return noise_tiles_per_run(table.longest_run, offset=0, chunk_size=table.chunk_size, device=table.device)
+
+
+def member_segments(
+    table: RunTable, members_h: torch.Tensor, coeffs_h: torch.Tensor, subspaces_h: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """(first member, end member) per subspace and the members and coeffs sorted by subspace, on the device, from
+    validated host tensors (the step's plan): one upload for the integers, one for the coeffs."""
+    order = torch.argsort(subspaces_h, stable=True)
+    sorted_subspaces = subspaces_h[order].contiguous()
+    every_subspace = torch.arange(table.num_subspaces, dtype=torch.int64)
+    first = torch.searchsorted(sorted_subspaces, every_subspace, right=False)
+    end = torch.searchsorted(sorted_subspaces, every_subspace, right=True)
+    integers = upload(torch.cat([first, end, members_h[order]]), table.device)
+    sorted_coeffs = upload(coeffs_h[order], table.device)
+    k = table.num_subspaces
+    return integers[:k], integers[k : 2 * k], integers[2 * k :], sorted_coeffs
+
+
+def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float, backup: torch.Tensor | None = None) -> None:
+    """Perturb every tensor of `table` on its subspace's chunks; with `backup` (table.backup_numel elements of the
+    table's dtype) first copy those chunks there, packed in row order, for `multi_restore_`."""
+    v.check_multi_perturb_args(table, seed=seed, member=member, sigma=sigma, backup=backup)
+    tiles, block = _grid(table)
+    if table.num_runs and tiles:
+        dtype, bits, bits_torch = _TYPES[table.dtype]
+        backup_bits = table.runs if backup is None else backup.view(bits_torch)  # any pointer when BACKUP is off
+        seed_lo, seed_hi, member_word, _ = stream_args(seed, member, 0)
+        _multi_perturb_kernel[(table.num_runs * tiles,)](
+            table.runs, table.pointers, table.ids, backup_bits, tiles, float(sigma), seed_lo, seed_hi, member_word,
+            DTYPE=dtype, BITS=bits, BACKUP=backup is not None, BLOCK=block,
+        )
+
+
+def multi_restore_(table: RunTable, backup: torch.Tensor) -> None:
+    """Write a `multi_perturb_` backup back into its chunks: the exact inverse, bit for bit."""
+    v.check_multi_backup(table, backup)
+    tiles, block = _grid(table)
+    if table.num_runs and tiles:
+        _, bits, bits_torch = _TYPES[table.dtype]
+        _multi_restore_kernel[(table.num_runs * tiles,)](
+            table.runs, table.pointers, backup.to(table.device).view(bits_torch), tiles, BITS=bits, BLOCK=block
+        )
+
+
+def multi_accumulate_(
+    table: RunTable,
+    *,
+    seed: int,
+    members: Sequence[int] | torch.Tensor,
+    coeffs: Sequence[float] | torch.Tensor,
+    member_subspaces: Sequence[int] | torch.Tensor,
+    rounding: str = "nearest",
+) -> torch.Tensor:
+    """Add the reward-weighted noise of `members` to every tensor of `table` (a table of every chunk: subspace
+    None), each run only the members of its own subspace; returns the squared L2 norm of the change as stored."""
+    host = v.check_multi_accumulate_args(
+        table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
+    )
+    first_member, end_member, sorted_members, sorted_coeffs = member_segments(table, *host)
+    tiles, block = _grid(table)
+    programs = table.num_runs * tiles
+    partials = torch.empty(programs, dtype=torch.float64, device=table.device)
+    if programs:
+        dtype, bits, _ = _TYPES[table.dtype]
+        seed_lo, seed_hi, _, _ = stream_args(seed, 0, 0)
+        _multi_accumulate_kernel[(programs,)](
+            table.runs, table.pointers, table.ids, first_member, end_member, sorted_members, sorted_coeffs, partials,
+            tiles, seed_lo, seed_hi, DTYPE=dtype, BITS=bits, STOCHASTIC=rounding == "stochastic", BLOCK=block,
+        )
+    return partials.sum()

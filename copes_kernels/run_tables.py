@@ -1,0 +1,131 @@
+"""Run tables: one subspace of a group of same-dtype tensors, described once per step for multi-tensor launches.
+
+A table lists, for every tensor of the group (all on one device, one dtype), the chunks a subspace owns as rows
+
+    (tensor index, start, stop, backup offset, subspace)          int64, element bounds [start, stop) in the tensor
+
+plus a tensor table (data pointer, tensor_id). It is built on the host from the CPU-side partition (so sizing it
+reads nothing back from the device) and uploaded with one copy; after that `multi_perturb_`, `multi_restore_` and
+`multi_accumulate_` touch every tensor of the group in one launch each, with no host sync. `subspace=None` lists
+every chunk (the update's table); the backup offsets then pack the whole group.
+
+A table holds raw data pointers: rebuild it when a tensor of the group is reallocated (once per step is the rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from copes_kernels.partition import DEFAULT_CHUNK_SIZE, num_chunks
+
+# Columns of a run row.
+TENSOR, START, STOP, BACKUP, SUBSPACE = range(5)
+RUN_COLUMNS = 5
+
+
+@dataclass(frozen=True, eq=False)
+class RunTable:
+    """The runs of `subspace` (every chunk when None) over `tensors`, on the host and on the device."""
+
+    tensors: tuple[torch.Tensor, ...]  # flat views, same dtype and device
+    tensor_ids: tuple[int, ...]
+    chunk_subspaces: tuple[torch.Tensor, ...]  # the partition of each tensor, on the tensors' device
+    subspace: int | None
+    num_subspaces: int
+    chunk_size: int
+    backup_sizes: tuple[int, ...]  # elements of subspace's chunks in each tensor
+    backup_numel: int  # their sum: the packed backup's size
+    longest_run: int  # elements of the longest row (sizes the tiles per row)
+    runs: torch.Tensor  # int64 [rows, RUN_COLUMNS] on the device
+    pointers: torch.Tensor  # int64 [tensors] on the device: data_ptr of each tensor
+    ids: torch.Tensor  # int64 [tensors] on the device: tensor_id of each tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.runs.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors[0].dtype
+
+    @property
+    def num_runs(self) -> int:
+        return self.runs.shape[0]
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One host -> device copy, asynchronous on CUDA (through pinned memory), so it never waits for the GPU."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _host_runs(numel: int, host_partition: np.ndarray, subspace: int | None, chunk_size: int) -> np.ndarray:
+    """[rows, 3] (start, stop, subspace) of the chunks of one tensor that `subspace` owns (all when None)."""
+    chunks = np.arange(host_partition.size, dtype=np.int64)
+    if subspace is not None:
+        chunks = chunks[host_partition == subspace]
+    starts = chunks * chunk_size
+    stops = np.minimum(starts + chunk_size, numel)
+    return np.stack([starts, stops, host_partition[chunks].astype(np.int64)], axis=1)
+
+
+def build_run_table(
+    tensors: Sequence[torch.Tensor],
+    *,
+    tensor_ids: Sequence[int],
+    chunk_subspaces: Sequence[torch.Tensor],
+    host_chunk_subspaces: Sequence[torch.Tensor],
+    subspace: int | None,
+    num_subspaces: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> RunTable:
+    """The run table of `subspace` over `tensors` (contiguous, one dtype, one device; each maps its chunks with
+    `chunk_subspaces[i]`, whose CPU copy `host_chunk_subspaces[i]` is read to size the table)."""
+    tensors = tuple(t.view(-1) for t in tensors)
+    if not tensors:
+        raise ValueError("a run table needs at least one tensor")
+    if not (len(tensor_ids) == len(chunk_subspaces) == len(host_chunk_subspaces) == len(tensors)):
+        raise ValueError("tensors, tensor_ids, chunk_subspaces and host_chunk_subspaces must have the same length")
+    device, dtype = tensors[0].device, tensors[0].dtype
+    for tensor in tensors:
+        if tensor.device != device or tensor.dtype != dtype:
+            raise ValueError(f"a run table's tensors share one device and dtype: {tensor.device}/{tensor.dtype} "
+                             f"next to {device}/{dtype}")
+    if not 1 <= num_subspaces or (subspace is not None and not 0 <= subspace < num_subspaces):
+        raise ValueError(f"subspace must be None or in [0, {num_subspaces}), got {subspace}")
+    rows, backup_sizes = [], []
+    for index, (tensor, host_partition) in enumerate(zip(tensors, host_chunk_subspaces)):
+        host = host_partition.numpy()
+        if host.size != num_chunks(tensor.numel(), chunk_size):
+            raise ValueError(f"tensor {index} has {num_chunks(tensor.numel(), chunk_size)} chunks of {chunk_size} "
+                             f"but its partition maps {host.size}")
+        runs = _host_runs(tensor.numel(), host, subspace, chunk_size)
+        backup_sizes.append(int((runs[:, 1] - runs[:, 0]).sum()))
+        rows.append(np.concatenate([np.full((len(runs), 1), index, dtype=np.int64), runs], axis=1))
+    table = np.concatenate(rows)
+    lengths = table[:, 2] - table[:, 1]
+    backup_offsets = np.cumsum(lengths) - lengths
+    host_runs = np.stack([table[:, 0], table[:, 1], table[:, 2], backup_offsets, table[:, 3]], axis=1)
+    header = np.array([[t.data_ptr() for t in tensors], [int(i) for i in tensor_ids]], dtype=np.int64)
+    # One upload for the whole table: pointers, ids and runs in one buffer.
+    packed = upload(torch.from_numpy(np.concatenate([header.reshape(-1), host_runs.reshape(-1)])), device)
+    count = len(tensors)
+    return RunTable(
+        tensors=tensors,
+        tensor_ids=tuple(int(i) for i in tensor_ids),
+        chunk_subspaces=tuple(chunk_subspaces),
+        subspace=subspace,
+        num_subspaces=int(num_subspaces),
+        chunk_size=int(chunk_size),
+        backup_sizes=tuple(backup_sizes),
+        backup_numel=int(lengths.sum()),
+        longest_run=int(lengths.max()) if lengths.size else 0,
+        runs=packed[2 * count :].view(-1, RUN_COLUMNS),
+        pointers=packed[:count],
+        ids=packed[count : 2 * count],
+    )
