@@ -247,8 +247,14 @@ def plot_race(curves: Sequence[Curve], path: Path, title: str) -> None:
         line, = axis.plot(seconds, mean, "o-", markersize=3, label=f"{label} ({len(runs)} seeds)")
         axis.fill_between(seconds, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                           color=line.get_color(), alpha=0.15)
-    axis.set_xlabel("training seconds (held-out evaluation excluded), one CPU thread each")
-    axis.set_ylabel("held-out accuracy (%)")
+    _finish(fig, axis, path, title, "training seconds (held-out evaluation excluded), one CPU thread each",
+            "held-out accuracy (%)")
+
+
+def _finish(fig: Any, axis: Any, path: Path, title: str, xlabel: str, ylabel: str) -> None:
+    import matplotlib.pyplot as plt
+
+    axis.set(xlabel=xlabel, ylabel=ylabel)
     axis.set_title(title, fontsize=9)
     axis.legend(fontsize=7)
     fig.tight_layout()
@@ -332,13 +338,7 @@ def plot_memory(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
                       xytext=(0, 6), ha="center", fontsize=7)
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
-    axis.set_xlabel("context length (tokens)")
-    axis.set_ylabel("peak memory over the loaded model (MiB)")
-    axis.set_title(title, fontsize=9)
-    axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _finish(fig, axis, path, title, "context length (tokens)", "peak memory over the loaded model (MiB)")
 
 
 def _require_trl() -> None:

@@ -50,21 +50,3 @@ def rollouts(
     scored = list(zip(trajectories, score_rollouts(task, list(examples) * copies, trajectories)))
     return [scored[i * len(prompts) : (i + 1) * len(prompts)] for i in range(copies)]
 
-
-def rollout_rewards(
-    model: Any,
-    tokenizer: Any,
-    task: Task,
-    examples: Sequence[Example],
-    *,
-    tools: Sequence[Any],
-    agent: AgentConfig,
-    timer: PhaseTimer,
-    members: Sequence[int] | None = None,
-    row_members: Any = None,
-) -> list[float] | list[list[float]]:
-    """Per-question rewards [Q], or [len(members)][Q] for a batched population (`members` and `row_members`)."""
-    per_member = rollouts(model, tokenizer, task, examples, tools=tools, agent=agent, timer=timer, members=members,
-                          row_members=row_members)
-    rewards = [[score.reward for _, score in rows] for rows in per_member]
-    return rewards[0] if members is None else rewards

@@ -31,7 +31,7 @@ from copes.modeling import load_model, resolve_model_path
 from copes.replay import replay_member, replays_members, resume_run
 from copes.rollout import AgentConfig
 from copes.samples import SAMPLES_FILE, RolloutSamples
-from copes.scoring import rollout_rewards, rollouts
+from copes.scoring import rollouts
 from copes.strategies.base import WHOLE_POPULATION
 from copes.tasks import Example
 
@@ -107,10 +107,13 @@ class Trainer:
     # ---- the pieces the loop calls -------------------------------------------------------------------------
     def rewards_for(self, model: Any, examples: list[Example], row_members: Any = None,
                     members: list[int] | None = None) -> list[float] | list[list[float]]:
+        """Per-question rewards [Q], or [len(members)][Q] for a batched population (`members` and `row_members`)."""
         if row_members is not None and members is None:
             members = list(range(self.cfg.population))
-        return rollout_rewards(model, self.tokenizer, self.task, examples, tools=self.tools, agent=self.agent,
-                               timer=self.timer, members=members, row_members=row_members)
+        per_member = rollouts(model, self.tokenizer, self.task, examples, tools=self.tools, agent=self.agent,
+                              timer=self.timer, members=members, row_members=row_members)
+        rewards = [[score.reward for _, score in rows] for rows in per_member]
+        return rewards[0] if members is None else rewards
 
     def population_step(self, step: int, examples: list[Example]) -> Any:
         """One ES step. This rank evaluates its share of the members (all of them without torchrun), the rewards

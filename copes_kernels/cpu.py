@@ -38,6 +38,9 @@ from numba.extending import intrinsic, overload
 
 from copes_kernels import _validate as v
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE
+# The multi-tensor ops loop over the per-tensor ops through the dispatcher (their reference twins do exactly
+# that), so on CPU tensors every run of a table is one compiled per-tensor call.
+from copes_kernels.reference import multi_accumulate_, multi_perturb_, multi_restore_  # noqa: F401
 from copes_kernels.rng import (
     MASK32,
     PHILOX_M0,
@@ -795,12 +798,14 @@ def lowrank_linear(
     B: torch.Tensor,
     row_member: torch.Tensor,
     sigma: float,
+    check_rows: bool = True,
 ) -> torch.Tensor:
     """Row b of x (shape [batch, ..., in]) sees W + sigma / sqrt(r) * A_m B_m^T with m = row_member[b].
 
     One base GEMM for the whole batch (torch), then the per-row rank-r correction added in place (one pass).
+    `check_rows=False` skips the row_member range check (done once per step by the caller).
     """
-    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma)
+    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma, check_rows=check_rows)
     out = F.linear(x, weight, bias).contiguous()
     if out.numel() == 0:
         return out
