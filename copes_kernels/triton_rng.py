@@ -31,7 +31,6 @@ from copes_kernels.rng import (
     PHILOX_ROUNDS,
     PHILOX_W0,
     PHILOX_W1,
-    TWO_PI,
     UNIFORM_HALF_STEP,
     UNIFORM_SCALE,
     check_philox_inputs,
@@ -45,20 +44,37 @@ _W1: tl.constexpr = tl.constexpr(PHILOX_W1)
 _ROUNDS: tl.constexpr = tl.constexpr(PHILOX_ROUNDS)
 _SCALE: tl.constexpr = tl.constexpr(UNIFORM_SCALE)
 _HALF_STEP: tl.constexpr = tl.constexpr(UNIFORM_HALF_STEP)
-_TWO_PI: tl.constexpr = tl.constexpr(TWO_PI)
-# sincos: angles lie in (0, 2 pi], so one Cody-Waite reduction by pi/2 (three parts, each product k * part exact
-# for k <= 4) and Cephes' float32 minimax polynomials on [-pi/4, pi/4] give cos and sin together (~1 ulp), with
-# none of libdevice's large-argument (Payne-Hanek) paths and one reduction instead of two.
-_TWO_OVER_PI: tl.constexpr = tl.constexpr(0.636619772367581343)
-_PIO2_HI: tl.constexpr = tl.constexpr(1.5703125)
-_PIO2_MID: tl.constexpr = tl.constexpr(4.837512969970703125e-4)
-_PIO2_LO: tl.constexpr = tl.constexpr(7.54978995489188216e-8)
-_SIN1: tl.constexpr = tl.constexpr(-1.6666654611e-1)
-_SIN2: tl.constexpr = tl.constexpr(8.3321608736e-3)
-_SIN3: tl.constexpr = tl.constexpr(-1.9515295891e-4)
-_COS1: tl.constexpr = tl.constexpr(4.166664568298827e-2)
-_COS2: tl.constexpr = tl.constexpr(-1.388731625493765e-3)
-_COS3: tl.constexpr = tl.constexpr(2.443315711809948e-5)
+# Box-Muller without libdevice (whose logf and sinf/cosf carry special-value and large-argument paths that
+# uniforms in [2^-25, 1] never take):
+# - ln u: libdevice's reduction u = 2^e * m, m in [2/3, 4/3), and its float32 polynomial in f = m - 1, with every
+#   coefficient scaled by -2 (exact) so the radius's -2 ln u comes out directly: -2 ln u = f * (-2 + f * P(f)) - 2e ln 2.
+# - cos/sin(2 pi u): a reduction by half turns, u = k/2 + d with k = round(2u) (a magic-number add, no conversions)
+#   and d in [-1/4, 1/4] exact, so cos(2 pi u) = (-1)^k cos(2 pi d) and sin likewise; the sign goes into the
+#   radius. Minimax polynomials in d (fitted for this range): sin(2 pi d) = d * S(d^2), |error| < 1e-8;
+#   cos(2 pi d) = 1 + d^2 C(d^2), |error| < 6e-8. No angle 2 pi u is ever rounded, so both are closer to the
+#   exact contract than float32 cos(float32(2 pi u)) (bench/README.md, "GPU readiness").
+_LOG_REDUCTION: tl.constexpr = tl.constexpr(0x3F2AAAAB)  # bits of 2/3: m = u / 2^e lands in [2/3, 4/3)
+_EXPONENT_FIELD: tl.constexpr = tl.constexpr(-0x800000)  # 0xFF800000 as int32: sign and exponent bits
+_MINUS_2_LN2_PER_EXPONENT_BIT: tl.constexpr = tl.constexpr(-2 * 0.693147182464599609375 * 2.0**-23)
+# libdevice logf's P(f) coefficients (from f^8 down to f^0), each times -2.
+_LOG_P8: tl.constexpr = tl.constexpr(0.2603771388530731)
+_LOG_P7: tl.constexpr = tl.constexpr(-0.2816922068595886)
+_LOG_P6: tl.constexpr = tl.constexpr(0.24297255277633667)
+_LOG_P5: tl.constexpr = tl.constexpr(-0.2796122133731842)
+_LOG_P4: tl.constexpr = tl.constexpr(0.3336847126483917)
+_LOG_P3: tl.constexpr = tl.constexpr(-0.4002459943294525)
+_LOG_P2: tl.constexpr = tl.constexpr(0.49999338388442993)
+_LOG_P1: tl.constexpr = tl.constexpr(-0.666663646697998)
+_ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + magic rounds x to an integer in the low bits
+_SIN_S4: tl.constexpr = tl.constexpr(39.7617301940918)
+_SIN_S3: tl.constexpr = tl.constexpr(-76.58140563964844)
+_SIN_S2: tl.constexpr = tl.constexpr(81.60248565673828)
+_SIN_S1: tl.constexpr = tl.constexpr(-41.34168243408203)
+_SIN_S0: tl.constexpr = tl.constexpr(6.2831854820251465)
+_COS_C3: tl.constexpr = tl.constexpr(56.340843200683594)
+_COS_C2: tl.constexpr = tl.constexpr(-85.2540283203125)
+_COS_C1: tl.constexpr = tl.constexpr(64.93521881103516)
+_COS_C0: tl.constexpr = tl.constexpr(-19.739181518554688)
 
 # Counters per program on a GPU: 2048 elements, 16 per thread at 4 warps, enough independent work per thread to
 # hide memory latency without spilling the Philox state.
@@ -154,23 +170,29 @@ def run_tile(run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi,
 
 
 @triton.jit
-def sincos(angle):
-    """(cos, sin) of float32 angles in [0, 2 pi] with one shared range reduction (constants above)."""
-    quadrant = (angle * _TWO_OVER_PI + 0.5).to(tl.int32)  # round to nearest: angle >= 0
-    k = quadrant.to(tl.float32)
-    r = angle - k * _PIO2_HI
-    r = r - k * _PIO2_MID
-    r = r - k * _PIO2_LO
-    r2 = r * r
-    s = r + r * r2 * (_SIN1 + r2 * (_SIN2 + r2 * _SIN3))
-    c = 1.0 - 0.5 * r2 + r2 * r2 * (_COS1 + r2 * (_COS2 + r2 * _COS3))
-    q = quadrant & 3
-    swap = (q & 1) == 1
-    cos_r = tl.where(swap, s, c)
-    sin_r = tl.where(swap, c, s)
-    cos = tl.where((q == 1) | (q == 2), -cos_r, cos_r)
-    sin = tl.where(q >= 2, -sin_r, sin_r)
-    return cos, sin
+def minus_2_log(u):
+    """-2 ln u for float32 u in [2^-25, 1] (constants above; ~2 ulp)."""
+    bits = u.to(tl.int32, bitcast=True)
+    exponent_bits = (bits - _LOG_REDUCTION) & _EXPONENT_FIELD  # e * 2^23, e in [-25, 0]
+    f = (bits - exponent_bits).to(tl.float32, bitcast=True) - 1.0
+    # Tensor first in every product: constexpr * tensor stays a constexpr in the interpreter.
+    p = ((((f * _LOG_P8 + _LOG_P7) * f + _LOG_P6) * f + _LOG_P5) * f + _LOG_P4) * f + _LOG_P3
+    p = ((p * f + _LOG_P2) * f + _LOG_P1) * f + 1.0
+    return f * (f * p - 2.0) + exponent_bits.to(tl.float32) * _MINUS_2_LN2_PER_EXPONENT_BIT
+
+
+@triton.jit
+def box_muller(u_radius, u_angle):
+    """(n0, n1) = sqrt(-2 ln u_radius) * (cos, sin)(2 pi u_angle) (constants above)."""
+    rounded = u_angle * 2.0 + _ROUND_MAGIC  # k = round(2 u) in the low mantissa bits
+    d = u_angle - (rounded - _ROUND_MAGIC) * 0.5  # exact
+    z = d * d
+    radius = tl.sqrt(minus_2_log(u_radius))
+    # (-1)^k: bit 0 of k, moved to the sign bit, flips the radius.
+    signed = (radius.to(tl.uint32, bitcast=True) ^ (rounded.to(tl.uint32, bitcast=True) << 31)).to(tl.float32, bitcast=True)
+    cos = (((z * _COS_C3 + _COS_C2) * z + _COS_C1) * z + _COS_C0) * z + 1.0
+    sin = ((((z * _SIN_S4 + _SIN_S3) * z + _SIN_S2) * z + _SIN_S1) * z + _SIN_S0) * d
+    return signed * cos, signed * sin
 
 
 @triton.jit
@@ -178,11 +200,9 @@ def normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.cons
     """eps of elements 4 * first_block + [0, 4 BLOCK), in element order, float32."""
     x0, x1, x2, x3 = philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
     u0, u1, u2, u3 = uniforms(x0, x1, x2, x3)
-    radius01 = tl.sqrt_rn(-2.0 * tl.log(u0))
-    radius23 = tl.sqrt_rn(-2.0 * tl.log(u2))
-    cos01, sin01 = sincos(u1 * _TWO_PI)  # tensor first: constexpr * tensor stays a constexpr in the interpreter
-    cos23, sin23 = sincos(u3 * _TWO_PI)
-    return in_element_order(radius01 * cos01, radius01 * sin01, radius23 * cos23, radius23 * sin23)
+    n0, n1 = box_muller(u0, u1)
+    n2, n3 = box_muller(u2, u3)
+    return in_element_order(n0, n1, n2, n3)
 
 
 @triton.jit
