@@ -25,6 +25,7 @@ from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
 from copes_kernels.triton_rng import (
     STREAM_ARGS,
     int64_args,
+    lanes_aligned,
     noise_block,
     normal_tile,
     run_tile,
@@ -35,7 +36,7 @@ from copes_kernels.triton_rng import (
 BIT_VIEWS = {2: torch.int16, 4: torch.int32}
 
 
-@triton.jit(do_not_specialize=STREAM_ARGS)
+@triton.jit(do_not_specialize=STREAM_ARGS + ["tiles_per_run"])
 def _perturb_kernel(
     dst_ptr,
     src_ptr,
@@ -49,13 +50,17 @@ def _perturb_kernel(
     tensor_id,
     offset_lo,
     offset_hi,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Program = (selected run, tile of BLOCK counters); runs hold global element bounds [start, stop)."""
-    _, first_block, local, mask = run_tile(run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, BLOCK)
-    eps = normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
-    x = tl.load(src_ptr + local, mask=mask).to(tl.float32)
-    tl.store(dst_ptr + local, to_storage(x + sigma * eps, dst_ptr.dtype.element_ty), mask=mask)
+    lanes: tl.constexpr = 128 // dst_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-bit access
+    _, first_block, base, lane, mask = run_tile(
+        run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, ALIGNED, lanes, BLOCK
+    )
+    eps = normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, lanes == 8)
+    x = tl.load(src_ptr + base + lane, mask=mask).to(tl.float32)
+    tl.store(dst_ptr + base + lane, to_storage(x + sigma * eps, dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -130,9 +135,10 @@ def perturb_(
     )
     tiles, block = noise_tiles_per_run(longest, offset=offset, chunk_size=chunk_size, device=dst.device)
     if starts.numel() and tiles:
+        aligned = lanes_aligned(offset, dst.numel(), chunk_size, element_size=dst.element_size(), block=block)
         _perturb_kernel[(starts.numel() * tiles,)](
             dst, dst if src is None else src, starts, stops, tiles, float(sigma),
-            *stream_args(seed, member, tensor_id), *int64_args(offset), BLOCK=block,
+            *stream_args(seed, member, tensor_id), *int64_args(offset), ALIGNED=aligned, BLOCK=block,
         )
     return dst
 

@@ -119,12 +119,12 @@ def int64_from_words(lo, hi):
 
 
 @triton.jit
-def philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr):
-    """Words x0..x3 of counters q = first_block + [0, BLOCK) (first_block int64).
+def philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr, STRIDE: tl.constexpr):
+    """Words x0..x3 of counters q = first_block + STRIDE * [0, BLOCK) (first_block int64).
 
     The ids may be int32 bit patterns or int64 values: `.to(tl.uint32)` keeps their low 32 bits either way.
     """
-    q = first_block + tl.arange(0, BLOCK).to(tl.int64)
+    q = first_block + tl.arange(0, BLOCK).to(tl.int64) * STRIDE
     c0 = q.to(tl.uint32)
     c1 = (q >> 32).to(tl.uint32)
     c2 = tl.full([BLOCK], 0, tl.uint32) + member.to(tl.uint32)  # tl.full, a builtin (see in_element_order)
@@ -144,29 +144,52 @@ def uniforms(x0, x1, x2, x3):
 
 
 @triton.jit
-def in_element_order(w0, w1, w2, w3):
-    """[BLOCK] x 4 per-counter values -> [4 BLOCK] with element 4q + k holding w_k.
+def counter_words(w0, w1, w2, w3):
+    """[N] x 4 per-counter values -> [N, 4] (counter, word k): each counter's four words in one thread.
 
-    tl.join + reshape (builtins) rather than tl.interleave, a @triton.jit helper of triton.language: when triton is
-    imported before TRITON_INTERPRET is set (transformers imports it), such helpers cannot run in the interpreter."""
-    pairs02 = tl.join(w0, w2)  # [BLOCK, 2]
-    pairs13 = tl.join(w1, w3)
-    return tl.reshape(tl.join(pairs02, pairs13), [4 * w0.shape[0]])  # [BLOCK, 2, 2]: (q, k & 1, k >> 1)
+    tl.join + permute + reshape (builtins) rather than tl.interleave, a @triton.jit helper of triton.language: when
+    triton is imported before TRITON_INTERPRET is set (transformers imports it), such helpers cannot run in the
+    interpreter."""
+    words = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [N, 2, 2]: (q, k & 1, k >> 1)
+    return tl.reshape(tl.permute(words, (0, 2, 1)), [w0.shape[0], 4])
 
 
 @triton.jit
-def run_tile(run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, BLOCK: tl.constexpr):
-    """The tile of program (selected run, tile): its first Philox block, element indices local to the slice, and the
-    mask of elements inside the run's global bounds [start, stop). Shared by every noise kernel launched over runs."""
-    pid = tl.program_id(0).to(tl.int64)
+def tile_mask(start, stop, tile_start, ALIGNED: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
+    """int32 lanes [0, 4 BLOCK) of the tile whose lane 0 is element `tile_start`, and the mask of the lanes inside
+    [start, stop) (int64 scalars: the bounds are clamped once per program, so the per-lane compares are int32).
+
+    ALIGNED is the host's promise that start <= tile_start and that stop - tile_start is a multiple of VEC (the
+    lanes of one 128-bit access): the mask is then constant over each VEC lanes and loads/stores stay vectors.
+    """
+    lane = tl.arange(0, 4 * BLOCK)
+    hi = tl.minimum(tl.maximum(stop - tile_start, 0), 4 * BLOCK).to(tl.int32)
+    if ALIGNED:
+        mask = lane < tl.multiple_of(hi, VEC)
+    else:
+        lo = tl.minimum(tl.maximum(start - tile_start, 0), 4 * BLOCK).to(tl.int32)
+        mask = (lane >= lo) & (lane < hi)
+    return lane, mask
+
+
+@triton.jit
+def run_tile(
+    run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, ALIGNED: tl.constexpr, VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The tile of program (selected run, tile) over runs of global bounds [start, stop): its run, first Philox
+    block, the int64 index of its lane 0 inside the slice, and `tile_mask`'s lanes and mask. Shared by every noise
+    kernel launched over runs; element `base + lane` of the slice is global element 4 * first_block + lane."""
+    pid = tl.program_id(0)  # int32: a grid holds < 2^31 programs, and int32 division costs a fraction of int64's
     run = pid // tiles_per_run
-    tile = pid % tiles_per_run
     start = tl.load(run_starts_ptr + run)
     stop = tl.load(run_stops_ptr + run)
-    first_block = (start >> 2) + tile * BLOCK
-    element = 4 * first_block + tl.arange(0, 4 * BLOCK).to(tl.int64)
-    mask = (element >= start) & (element < stop)
-    return run, first_block, element - int64_from_words(offset_lo, offset_hi), mask
+    first_block = (start >> 2) + (pid % tiles_per_run).to(tl.int64) * BLOCK
+    lane, mask = tile_mask(start, stop, 4 * first_block, ALIGNED, VEC, BLOCK)
+    base = 4 * first_block - int64_from_words(offset_lo, offset_hi)
+    if ALIGNED:
+        base = tl.multiple_of(base, VEC)
+    return run, first_block, base, lane, mask
 
 
 @triton.jit
@@ -196,21 +219,43 @@ def box_muller(u_radius, u_angle):
 
 
 @triton.jit
-def normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr):
-    """eps of elements 4 * first_block + [0, 4 BLOCK), in element order, float32."""
-    x0, x1, x2, x3 = philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
+def _noise_words(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
+                 NORMAL: tl.constexpr):
+    """[BLOCK, 4] eps (NORMAL) or u of counters first_block + STRIDE * [0, BLOCK)."""
+    x0, x1, x2, x3 = philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, STRIDE)
     u0, u1, u2, u3 = uniforms(x0, x1, x2, x3)
-    n0, n1 = box_muller(u0, u1)
-    n2, n3 = box_muller(u2, u3)
-    return in_element_order(n0, n1, n2, n3)
+    if NORMAL:
+        n0, n1 = box_muller(u0, u1)
+        n2, n3 = box_muller(u2, u3)
+        return counter_words(n0, n1, n2, n3)
+    return counter_words(u0, u1, u2, u3)
 
 
 @triton.jit
-def uniform_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr):
+def _element_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr, PAIRED: tl.constexpr,
+                  NORMAL: tl.constexpr):
+    """Values of elements 4 * first_block + [0, 4 BLOCK) in element order (word i & 3 of counter i >> 2).
+
+    PAIRED (16-bit storage: one 128-bit access holds 8 elements, two counters) computes the even and the odd
+    counters as two tensors and interleaves them, so each thread owns two consecutive counters and the compiler
+    needs no shared-memory shuffle to give the 8 elements of an access to one thread."""
+    if PAIRED:
+        even = _noise_words(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK // 2, 2, NORMAL)
+        odd = _noise_words(first_block + 1, seed_lo, seed_hi, member, tensor_id, BLOCK // 2, 2, NORMAL)
+        return tl.reshape(tl.permute(tl.join(even, odd), (0, 2, 1)), [4 * BLOCK])  # [BLOCK/2, 2, 4]: (pair, odd, k)
+    return tl.reshape(_noise_words(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, 1, NORMAL), [4 * BLOCK])
+
+
+@triton.jit
+def normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr, PAIRED: tl.constexpr):
+    """eps of elements 4 * first_block + [0, 4 BLOCK), in element order, float32."""
+    return _element_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, PAIRED, True)
+
+
+@triton.jit
+def uniform_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr, PAIRED: tl.constexpr):
     """u of elements 4 * first_block + [0, 4 BLOCK), in element order (word i & 3 of block i >> 2)."""
-    x0, x1, x2, x3 = philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
-    u0, u1, u2, u3 = uniforms(x0, x1, x2, x3)
-    return in_element_order(u0, u1, u2, u3)
+    return _element_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, PAIRED, False)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -235,20 +280,22 @@ def _philox_kernel(counter_ptr, key_ptr, words_ptr, rows, BLOCK: tl.constexpr):
     tl.store(words_ptr + 4 * row + 3, x3.to(tl.int64), mask=mask)
 
 
-@triton.jit(do_not_specialize=STREAM_ARGS)
+@triton.jit(do_not_specialize=STREAM_ARGS + ["n", "tiles_per_row"])
 def _normal_rows_kernel(
-    out_ptr, members_ptr, n, tiles_per_row, seed_lo, seed_hi, tensor_id, offset_lo, offset_hi, BLOCK: tl.constexpr
+    out_ptr, members_ptr, n, tiles_per_row, seed_lo, seed_hi, tensor_id, offset_lo, offset_hi, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Row r of out [rows, n] gets eps(offset), ..., eps(offset + n - 1) of member members[r]."""
-    pid = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
     row = pid // tiles_per_row
-    tile = pid % tiles_per_row
     offset = int64_from_words(offset_lo, offset_hi)
-    member = tl.load(members_ptr + row)
-    first_block = (offset >> 2) + tile * BLOCK
-    local = 4 * first_block + tl.arange(0, 4 * BLOCK).to(tl.int64) - offset
-    eps = normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
-    tl.store(out_ptr + row * n + local, eps, mask=(local >= 0) & (local < n))
+    first_block = (offset >> 2) + (pid % tiles_per_row).to(tl.int64) * BLOCK
+    lane, mask = tile_mask(offset, offset + n, 4 * first_block, ALIGNED, 4, BLOCK)
+    base = row.to(tl.int64) * n + 4 * first_block - offset
+    if ALIGNED:
+        base = tl.multiple_of(base, 4)
+    eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + row), tensor_id, BLOCK, False)
+    tl.store(out_ptr + base + lane, eps, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -279,6 +326,13 @@ def noise_block(device: torch.device) -> int:
     return INTERPRETER_NOISE_BLOCK if device.type == "cpu" else GPU_NOISE_BLOCK
 
 
+def lanes_aligned(*elements: int, element_size: int, block: int) -> bool:
+    """Whether every count of elements (offsets, sizes, chunk size), and a tile of `block` counters, is a whole number
+    of 128-bit accesses: `tile_mask`'s ALIGNED promise, which keeps a kernel's loads and stores vectorised."""
+    lanes = 16 // element_size
+    return all(count % lanes == 0 for count in (*elements, 4 * block))
+
+
 def blocks_spanned(length: int, *, aligned: bool) -> int:
     """Most Philox counters a run of `length` elements touches: one more when runs may start mid-block."""
     return -(-length // 4) if aligned else (length + 2) // 4 + 1
@@ -295,7 +349,8 @@ def fill_normal_rows_(
     tiles_per_row = triton.cdiv(blocks_spanned(n, aligned=offset % 4 == 0), block)
     seed_lo, seed_hi, _, tensor_word = stream_args(seed, 0, tensor_id)
     _normal_rows_kernel[(rows * tiles_per_row,)](
-        out, members, n, tiles_per_row, seed_lo, seed_hi, tensor_word, *int64_args(offset), BLOCK=block
+        out, members, n, tiles_per_row, seed_lo, seed_hi, tensor_word, *int64_args(offset),
+        ALIGNED=lanes_aligned(offset, n, element_size=4, block=block), BLOCK=block,
     )
     return out
 
