@@ -60,7 +60,8 @@ def kernel_cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]
         ("copy_runs", perturb._copy_runs_kernel,
          _signature(perturb._copy_runs_kernel, chunked_ptr="*i16", packed_ptr="*i16", run_starts_ptr="*i64",
                     run_stops_ptr="*i64", packed_starts_ptr="*i64", tiles_per_run="i32", TO_PACKED="constexpr",
-                    BLOCK="constexpr"), {"TO_PACKED": True, "BLOCK": 4 * triton_rng.GPU_NOISE_BLOCK}),
+                    ALIGNED="constexpr", BLOCK="constexpr"),
+         {"TO_PACKED": True, "ALIGNED": True, "BLOCK": 4 * triton_rng.GPU_NOISE_BLOCK}),
     ]
     for dtype in ("fp32", "bf16", "fp16"):
         cases += [
