@@ -76,7 +76,7 @@ def _multi_perturb_kernel(
     bits = tl.load(tile_ptr + lane, mask=mask)
     if BACKUP:
         tl.store(backup_ptr + backup_start + lane, bits, mask=mask)
-    paired: tl.constexpr = BITS.primitive_bitwidth == 16
+    paired: tl.constexpr = ALIGNED and BITS.primitive_bitwidth == 16  # see triton_rng._element_tile
     eps = normal_tile(first_block, seed_lo, seed_hi, member, tl.load(ids_ptr + tensor), BLOCK, paired)
     x = bits.to(DTYPE, bitcast=True).to(tl.float32)
     tl.store(tile_ptr + lane, to_storage(x + sigma * eps, DTYPE).to(BITS, bitcast=True), mask=mask)
@@ -100,7 +100,7 @@ def _multi_accumulate_kernel(
     row, tensor, tile_ptr, _, first_block, lane, mask = _row_tile(
         runs_ptr, pointers_ptr, tiles_per_run, BITS, ALIGNED, BLOCK
     )
-    paired: tl.constexpr = BITS.primitive_bitwidth == 16
+    paired: tl.constexpr = ALIGNED and BITS.primitive_bitwidth == 16  # see triton_rng._element_tile
     subspace = tl.load(row + 4)
     first_member = tl.load(first_member_ptr + subspace)
     end_member = tl.load(end_member_ptr + subspace)

@@ -59,7 +59,8 @@ def _perturb_kernel(
     _, first_block, base, lane, mask = run_tile(
         run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, ALIGNED, lanes, BLOCK
     )
-    eps = normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, lanes == 8)
+    paired: tl.constexpr = ALIGNED and lanes == 8  # see triton_rng._element_tile
+    eps = normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, paired)
     x = tl.load(src_ptr + base + lane, mask=mask).to(tl.float32)
     tl.store(dst_ptr + base + lane, to_storage(x + sigma * eps, dst_ptr.dtype.element_ty), mask=mask)
 

@@ -236,8 +236,8 @@ def _element_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.co
                   NORMAL: tl.constexpr):
     """Values of elements 4 * first_block + [0, 4 BLOCK) in element order (word i & 3 of counter i >> 2).
 
-    PAIRED (16-bit storage: one 128-bit access holds 8 elements, two counters) computes the even and the odd
-    counters as two tensors and interleaves them, so each thread owns two consecutive counters and the compiler
+    PAIRED (aligned 16-bit storage: one 128-bit access holds 8 elements, two counters) computes the even and the
+    odd counters as two tensors and interleaves them, so each thread owns two consecutive counters and the compiler
     needs no shared-memory shuffle to give the 8 elements of an access to one thread."""
     if PAIRED:
         even = _noise_words(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK // 2, 2, NORMAL)

@@ -59,13 +59,14 @@ def _accumulate_kernel(
         run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, ALIGNED, lanes, BLOCK
     )
     tile_ptr = target_ptr + base
+    paired: tl.constexpr = ALIGNED and lanes == 8  # see triton_rng._element_tile
     total = tl.load(tile_ptr + lane, mask=mask).to(tl.float32)
     for j in range(tl.load(run_first_member_ptr + run), tl.load(run_end_member_ptr + run)):
-        eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + j), tensor_id, BLOCK, lanes == 8)
+        eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + j), tensor_id, BLOCK, paired)
         total += tl.load(coeffs_ptr + j) * eps
     if STOCHASTIC:
         rounding_stream = tl.full((), ROUNDING_STREAM_WORD, tl.uint32)
-        u = uniform_tile(first_block, seed_lo, seed_hi, rounding_stream, tensor_id, BLOCK, lanes == 8)
+        u = uniform_tile(first_block, seed_lo, seed_hi, rounding_stream, tensor_id, BLOCK, paired)
         tl.store(tile_ptr + lane, round_stochastic(total, u, target_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(tile_ptr + lane, to_storage(total, target_ptr.dtype.element_ty), mask=mask)

@@ -88,6 +88,9 @@ def kernel_cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]
                                                       ("decode", 1, 1, False), ("fma16", 16, 1, False)):
             cases.append((f"lowrank_{label}[{dtype}]", lowrank._lowrank_correction_kernel, lowrank_signature,
                           {**tiles, "BLOCK_T": token_tile, "RANK": rank_tile, "USE_DOT": use_dot}))
+    # The variants odd offsets and sizes compile (no 128-bit promise): scalar accesses, both mask bounds.
+    for name, kernel, signature, constexprs in [case for case in cases if case[0] in ("perturb[bf16]", "accumulate[bf16]")]:
+        cases.append((name.replace("]", ",unaligned]"), kernel, signature, {**constexprs, "ALIGNED": False}))
     bits = {"fp32": "i32", "bf16": "i16", "fp16": "i16"}
     for dtype in ("fp32", "bf16", "fp16"):
         types = {"DTYPE": dtype, "BITS": bits[dtype]}
@@ -154,6 +157,9 @@ def sass_counts(cubin: bytes, elements_per_thread: int) -> str:
         body.pop()
     total = len(body)
     text = f"sass:{total} per-element:{total / elements_per_thread:.1f}"
+    # 128-bit global accesses, and shared-memory traffic (a layout shuffle or a cross-warp reduction).
+    text += f" ldg128+stg128:{sum(1 for _, opcode, _ in body if opcode in ('LDG.E.128', 'STG.E.128'))}"
+    text += f" shared:{sum(1 for _, opcode, _ in body if opcode.startswith(('LDS', 'STS')))}"
     loops = []
     for address, opcode, operands in body:
         target = re.search(r"0x([0-9a-f]+)", operands)
