@@ -46,3 +46,15 @@ def test_every_kernel_compiles_for_sm90() -> None:
             # crosses warps: two accesses).
             assert int(re.search(r"ldg128\+stg128:(\d+)", line).group(1)) >= 4, line
             assert int(re.search(r" shared:(\d+)", line).group(1)) <= (2 if kernel == "multi_accumulate" else 0), line
+
+
+def test_compile_counter_reports_the_variants_a_run_launches() -> None:
+    # A subprocess: the counter runs its own pytest session. Rows of odd length never promise 128-bit accesses,
+    # and a new offset or size never compiles another kernel (fixed BLOCK, sizes not specialised).
+    result = subprocess.run(
+        [sys.executable, "-m", "kernels_tests.count_compiles", "-q", "-p", "no:cacheprovider",
+         "kernels_tests/test_rng.py", "-k", "normals_agree"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert re.search(r"_normal_rows_kernel +launches +12 +compiles +1\b", result.stdout), result.stdout[-2000:]
