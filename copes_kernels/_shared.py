@@ -82,7 +82,8 @@ def _store_stochastic_kernel(
     base = 4 * first_block - offset
     if ALIGNED:
         base = tl.multiple_of(base, 8)
-    u = uniform_tile(first_block, seed_lo, seed_hi, tl.full((), ROUNDING_STREAM_WORD, tl.uint32), tensor_id, BLOCK, True)
+    rounding_stream = tl.full((), ROUNDING_STREAM_WORD, tl.uint32)
+    u = uniform_tile(first_block, seed_lo, seed_hi, rounding_stream, tensor_id, BLOCK, True)
     values = tl.load(values_ptr + base + lane, mask=mask)
     tl.store(dst_ptr + base + lane, round_stochastic(values, u, dst_ptr.dtype.element_ty), mask=mask)
 

@@ -113,7 +113,8 @@ def build_run_table(
     backup_offsets = np.cumsum(lengths) - lengths
     host_runs = np.stack([table[:, 0], table[:, 1], table[:, 2], backup_offsets, table[:, 3]], axis=1)
     header = np.array([[t.data_ptr() for t in tensors], [int(i) for i in tensor_ids]], dtype=np.int64)
-    every_bound = np.bitwise_or.reduce(np.concatenate([header[0], table[:, 1:3].reshape(-1) * tensors[0].element_size()]))
+    bounds_in_bytes = table[:, 1:3].reshape(-1) * tensors[0].element_size()
+    every_bound = np.bitwise_or.reduce(np.concatenate([header[0], bounds_in_bytes]))
     byte_alignment = 16 if every_bound == 0 else int(min(16, every_bound & -every_bound))  # lowest set bit
     # One upload for the whole table: pointers, ids and runs in one buffer.
     packed = upload(torch.from_numpy(np.concatenate([header.reshape(-1), host_runs.reshape(-1)])), device)

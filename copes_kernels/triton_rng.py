@@ -47,7 +47,8 @@ _HALF_STEP: tl.constexpr = tl.constexpr(UNIFORM_HALF_STEP)
 # Box-Muller without libdevice (whose logf and sinf/cosf carry special-value and large-argument paths that
 # uniforms in [2^-25, 1] never take):
 # - ln u: libdevice's reduction u = 2^e * m, m in [2/3, 4/3), and its float32 polynomial in f = m - 1, with every
-#   coefficient scaled by -2 (exact) so the radius's -2 ln u comes out directly: -2 ln u = f * (-2 + f * P(f)) - 2e ln 2.
+#   coefficient scaled by -2 (exact) so the radius's -2 ln u comes out directly:
+#   -2 ln u = f * (f * P(f) - 2) - 2 e ln 2, P the scaled polynomial.
 # - cos/sin(2 pi u): a reduction by half turns, u = k/2 + d with k = round(2u) (a magic-number add, no conversions)
 #   and d in [-1/4, 1/4] exact, so cos(2 pi u) = (-1)^k cos(2 pi d) and sin likewise; the sign goes into the
 #   radius. Minimax polynomials in d (fitted for this range): sin(2 pi d) = d * S(d^2), |error| < 1e-8;
@@ -127,7 +128,7 @@ def philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.cons
     q = first_block + tl.arange(0, BLOCK).to(tl.int64) * STRIDE
     c0 = q.to(tl.uint32)
     c1 = (q >> 32).to(tl.uint32)
-    c2 = tl.full([BLOCK], 0, tl.uint32) + member.to(tl.uint32)  # tl.full, a builtin (see in_element_order)
+    c2 = tl.full([BLOCK], 0, tl.uint32) + member.to(tl.uint32)  # tl.full, a builtin (see counter_words)
     c3 = tl.full([BLOCK], 0, tl.uint32) + tensor_id.to(tl.uint32)
     return philox_rounds(c0, c1, c2, c3, seed_lo.to(tl.uint32), seed_hi.to(tl.uint32))
 
@@ -212,7 +213,8 @@ def box_muller(u_radius, u_angle):
     z = d * d
     radius = tl.sqrt(minus_2_log(u_radius))
     # (-1)^k: bit 0 of k, moved to the sign bit, flips the radius.
-    signed = (radius.to(tl.uint32, bitcast=True) ^ (rounded.to(tl.uint32, bitcast=True) << 31)).to(tl.float32, bitcast=True)
+    sign = rounded.to(tl.uint32, bitcast=True) << 31
+    signed = (radius.to(tl.uint32, bitcast=True) ^ sign).to(tl.float32, bitcast=True)
     cos = (((z * _COS_C3 + _COS_C2) * z + _COS_C1) * z + _COS_C0) * z + 1.0
     sin = ((((z * _SIN_S4 + _SIN_S3) * z + _SIN_S2) * z + _SIN_S1) * z + _SIN_S0) * d
     return signed * cos, signed * sin

@@ -89,7 +89,8 @@ def kernel_cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]
             cases.append((f"lowrank_{label}[{dtype}]", lowrank._lowrank_correction_kernel, lowrank_signature,
                           {**tiles, "BLOCK_T": token_tile, "RANK": rank_tile, "USE_DOT": use_dot}))
     # The variants odd offsets and sizes compile (no 128-bit promise): scalar accesses, both mask bounds.
-    for name, kernel, signature, constexprs in [case for case in cases if case[0] in ("perturb[bf16]", "accumulate[bf16]")]:
+    unaligned = [case for case in cases if case[0] in ("perturb[bf16]", "accumulate[bf16]")]
+    for name, kernel, signature, constexprs in unaligned:
         cases.append((name.replace("]", ",unaligned]"), kernel, signature, {**constexprs, "ALIGNED": False}))
     bits = {"fp32": "i32", "bf16": "i16", "fp16": "i16"}
     for dtype in ("fp32", "bf16", "fp16"):
@@ -182,7 +183,8 @@ def main() -> None:
     for name, kernel, signature, constexprs in kernel_cases():
         # Constexprs keyed by (argument index,): the form every Triton 3.x accepts.
         by_index = {(kernel.arg_names.index(arg),): value for arg, value in constexprs.items()}
-        source = ASTSource(fn=kernel, signature=signature, constexprs=by_index, attrs=aligned_pointers(kernel, signature))
+        attrs = aligned_pointers(kernel, signature)
+        source = ASTSource(fn=kernel, signature=signature, constexprs=by_index, attrs=attrs)
         compiled = triton.compile(source, target=target)
         if "cubin" in compiled.asm:
             cubin = compiled.asm["cubin"]

@@ -122,7 +122,10 @@ def test_member_and_update_launches_and_syncs_do_not_grow_with_tensors(monkeypat
     assert per_tensor_update["launches"] >= 35 and per_tensor_update["syncs"] >= 35, per_tensor_update
 
 
-@pytest.mark.parametrize("options", [{}, dict(restore="subtract", stream_elements=1000)], ids=["whole", "sliced"])
+@pytest.mark.parametrize(
+    "options", [{}, pytest.param(dict(restore="subtract", stream_elements=1000), marks=pytest.mark.slow)],
+    ids=["whole", "sliced"],
+)
 def test_multi_tensor_weights_match_the_per_tensor_path_bit_for_bit(
     options: dict[str, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
