@@ -5,8 +5,9 @@
 #
 # Phases, each under its own timeout (and all of them inside an 8-minute budget), each printing one summary line:
 #   env         torch / triton versions and the GPU
-#   tests       kernels_tests on the GPU: the compiled kernels against the reference, `gpu`-marked tests included
-#   lowering    every kernel compiled for this GPU's architecture: registers, spills
+#   tests       kernels_tests on the GPU: the compiled kernels against the reference, `gpu`-marked tests included,
+#               and the kernels' compile-cache sizes after them (kernels_tests/count_compiles.py)
+#   lowering    every kernel compiled for this GPU's architecture: registers, spills, SASS counts, 128-bit accesses
 #   kernels     every op against the naive PyTorch baseline (bench/bench_kernels.py, triton.testing.do_bench)
 #   engine      host + kernel time per member and per update, multi-tensor vs per-tensor launches, 400 tensors
 #   step / naive / memory / eggroll   the end-to-end benchmarks of bench/README.md
@@ -62,7 +63,7 @@ if ! grep -q '^env,passed' "$OUT/phases.csv"; then
 fi
 arch=$("$PYTHON" -c "import torch; major, minor = torch.cuda.get_device_capability(); print(f'{major}{minor}')")
 
-phase tests 170 "$PYTHON" -m pytest kernels_tests -q -rs --durations=10 -p no:cacheprovider
+phase tests 170 "$PYTHON" -m kernels_tests.count_compiles kernels_tests -q -rs --durations=10 -p no:cacheprovider
 phase lowering 45 "$PYTHON" -m kernels_tests.lower_kernels --arch "$arch"
 phase kernels 60 "$PYTHON" bench/bench_kernels.py -p no:cacheprovider
 phase engine 45 "$PYTHON" bench/engine_overhead.py

@@ -40,8 +40,9 @@ the CPU-side partition becomes device-resident run tables, one per subspace and 
 chunk for the update (`copes_kernels.build_run_table`, one upload each). A member is then one perturb-and-backup
 launch and one restore launch per dtype group, and an update one accumulate launch per group with the norm
 measured in-kernel, whatever the number of tensors, and no host sync inside a member. They apply to restore
-"device" and "subtract" and to the "native" / "stochastic" precisions without `stream_elements` or an update
-rule; the other modes (and `multi_tensor=False`, the per-tensor path kept for comparison) loop over the
+"device" and "subtract" and to the "native" / "stochastic" precisions without an update rule; with
+`stream_elements`, to the update and to restore "subtract" only (slicing bounds backups, which those hold none
+of). The other modes (and `multi_tensor=False`, the per-tensor path kept for comparison) loop over the
 per-tensor ops slice by slice, with the same weights bit for bit.
 """
 
@@ -286,7 +287,10 @@ class ParameterSpace:
 
     def _fused(self, *, update: bool = False) -> bool:
         """Whether this call takes the multi-tensor path (see the module docstring)."""
-        if not self.multi_tensor or self.stream_elements is not None:
+        if not self.multi_tensor:
+            return False
+        # Slices bound transient memory (backups, staged masters): the fused update and a subtracting restore hold none.
+        if self.stream_elements is not None and not update and self.restore_mode != "subtract":
             return False
         if update and any(p.precision not in ("native", "stochastic") for p in self.parameters):
             return False

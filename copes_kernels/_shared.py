@@ -20,13 +20,18 @@ from copes_kernels.triton_rng import (
     blocks_spanned,
     int64_args,
     int64_from_words,
+    lanes_aligned,
     noise_block,
     stream_args,
+    tile_mask,
     uniform_tile,
 )
 
-# bfloat16 quiet NaN, the pattern torch stores for any NaN.
+# bfloat16 quiet NaN, the pattern torch's scalar path stores for any NaN.
 _BF16_NAN: tl.constexpr = tl.constexpr(0x7FC0)
+# Triton's CPU interpreter truncates float32 -> bfloat16; GPUs round to nearest even in one instruction per pair
+# (decided when the kernels are defined, as triton.jit decides between the interpreter and the compiler).
+_TRUNCATING_BF16_CAST: tl.constexpr = tl.constexpr(triton.knobs.runtime.interpret)
 ROUNDING_STREAM_WORD: tl.constexpr = tl.constexpr(ROUNDING_STREAM)
 # Bit pattern of the smallest negative subnormal (0x8001) as an int16: the neighbour of -0.0 away from zero.
 _NEGATIVE_TINY: tl.constexpr = tl.constexpr(-0x7FFF)
@@ -34,15 +39,15 @@ _NEGATIVE_TINY: tl.constexpr = tl.constexpr(-0x7FFF)
 
 @triton.jit
 def to_storage(x, DTYPE: tl.constexpr):
-    """float32 -> storage dtype with round-to-nearest-even, the same bits as torch on every backend.
+    """float32 -> storage dtype with round-to-nearest-even, the same bits as torch for every number.
 
-    bfloat16 is rounded on the bits (add 0x7FFF plus the kept lowest bit, drop 16 bits): GPUs round this way
-    anyway, but Triton's CPU interpreter truncates float32 -> bfloat16.
+    Where the cast truncates (the interpreter), bfloat16 is rounded on the bits: add 0x7FFF plus the kept lowest
+    bit, drop 16 bits (a NaN, which the add could carry into the sign, is replaced first). A NaN stays a NaN; its
+    bits follow the backend (torch's own CPU and CUDA paths differ there too).
     """
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True).to(tl.int64)
-        rounded = tl.where(x != x, _BF16_NAN, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    if DTYPE == tl.bfloat16 and _TRUNCATING_BF16_CAST:
+        bits = tl.where(x != x, _BF16_NAN << 16, x.to(tl.uint32, bitcast=True))
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
 
@@ -65,32 +70,36 @@ def round_stochastic(values, uniforms, DTYPE: tl.constexpr):
     return tl.where(take_neighbour, neighbour, nearest)
 
 
-@triton.jit(do_not_specialize=STREAM_ARGS)
+@triton.jit(do_not_specialize=STREAM_ARGS + ["n"])
 def _store_stochastic_kernel(
-    dst_ptr, values_ptr, n, seed_lo, seed_hi, tensor_id, offset_lo, offset_hi, BLOCK: tl.constexpr
+    dst_ptr, values_ptr, n, seed_lo, seed_hi, tensor_id, offset_lo, offset_hi, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """dst[i] = round_stochastic(values[i]) with the uniforms of element offset + i."""
-    pid = tl.program_id(0).to(tl.int64)
+    """dst[i] = round_stochastic(values[i]) with the uniforms of element offset + i; BLOCK counters per program."""
     offset = int64_from_words(offset_lo, offset_hi)
-    first_block = (offset >> 2) + pid * (BLOCK // 4)
-    local = 4 * first_block + tl.arange(0, BLOCK).to(tl.int64) - offset
-    mask = (local >= 0) & (local < n)
-    u = uniform_tile(first_block, seed_lo, seed_hi, tl.full((), ROUNDING_STREAM_WORD, tl.uint32), tensor_id, BLOCK // 4)
-    values = tl.load(values_ptr + local, mask=mask)
-    tl.store(dst_ptr + local, round_stochastic(values, u, dst_ptr.dtype.element_ty), mask=mask)
+    first_block = (offset >> 2) + tl.program_id(0).to(tl.int64) * BLOCK
+    lane, mask = tile_mask(offset, offset + n, 4 * first_block, ALIGNED, 8, BLOCK)  # 8 16-bit elements per access
+    base = 4 * first_block - offset
+    if ALIGNED:
+        base = tl.multiple_of(base, 8)
+    rounding_stream = tl.full((), ROUNDING_STREAM_WORD, tl.uint32)
+    u = uniform_tile(first_block, seed_lo, seed_hi, rounding_stream, tensor_id, BLOCK, True)
+    values = tl.load(values_ptr + base + lane, mask=mask)
+    tl.store(dst_ptr + base + lane, round_stochastic(values, u, dst_ptr.dtype.element_ty), mask=mask)
 
 
 def noise_tiles_per_run(longest: int, *, offset: int, chunk_size: int, device: torch.device) -> tuple[int, int]:
     """(tiles per run, counters per tile) for noise kernels over runs of at most `longest` elements.
 
     On a GPU the tile is one fixed BLOCK, so no tensor or run size compiles another kernel. The CPU interpreter
-    compiles nothing and pays per element, so there short runs get a smaller power-of-two tile.
+    compiles nothing and pays per element, so there short runs get a smaller power-of-two tile (at least the two
+    counters a paired 16-bit tile splits into even and odd).
     """
     aligned = offset % 4 == 0 and chunk_size % 4 == 0  # then every run starts on a Philox block boundary
     counters = blocks_spanned(longest, aligned=aligned)
     block = noise_block(device)
     if device.type == "cpu":
-        block = min(block, triton.next_power_of_2(max(counters, 1)))
+        block = min(block, triton.next_power_of_2(max(counters, 2)))
     return triton.cdiv(counters, block), block
 
 
@@ -105,9 +114,10 @@ def store_stochastic_(
     n = dst.numel()
     if n:
         seed_lo, seed_hi, _, tensor_word = stream_args(seed, 0, tensor_id)
-        block = 4 * noise_block(dst.device)  # elements per program: one noise tile of counters
-        programs = triton.cdiv(n + offset % 4, block)  # tiles start on the Philox block of element `offset`
+        block = noise_block(dst.device)
+        programs = triton.cdiv(n + offset % 4, 4 * block)  # tiles start on the Philox block of element `offset`
         _store_stochastic_kernel[(programs,)](
-            dst, values, n, seed_lo, seed_hi, tensor_word, *int64_args(offset), BLOCK=block
+            dst, values, n, seed_lo, seed_hi, tensor_word, *int64_args(offset),
+            ALIGNED=lanes_aligned(offset, n, element_size=dst.element_size(), block=block), BLOCK=block,
         )
     return dst

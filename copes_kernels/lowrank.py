@@ -64,9 +64,9 @@ def _lowrank_correction_kernel(
     """out[b, t, :] += scale * (x[b, t, :] B_m) A_m^T for one row b (member m) and BLOCK_T of its tokens.
 
     The FMA path reduces with tl.reduce over our own combine (tl.sum's is jitted at `import triton`, which may
-    precede the interpreter, see triton_rng.in_element_order)."""
+    precede the interpreter, see triton_rng.counter_words)."""
     pid = tl.program_id(0).to(tl.int64)
-    token_tiles = (tokens + BLOCK_T - 1) // BLOCK_T  # not tl.cdiv, a @triton.jit helper (see triton_rng.in_element_order)
+    token_tiles = (tokens + BLOCK_T - 1) // BLOCK_T  # not tl.cdiv, a @triton.jit helper (see triton_rng.counter_words)
     row = pid // token_tiles
     token = (pid % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     token_mask = token < tokens

@@ -25,7 +25,7 @@ import triton.language as tl
 from copes_kernels import _validate as v
 from copes_kernels._shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
 from copes_kernels.run_tables import RUN_COLUMNS, RunTable, upload
-from copes_kernels.triton_rng import normal_tile, stream_args, uniform_tile
+from copes_kernels.triton_rng import lanes_aligned, normal_tile, stream_args, tile_mask, uniform_tile
 
 # Storage dtype -> (Triton float type, integer type of the same width for bit-exact copies).
 _TYPES = {
@@ -43,71 +43,82 @@ def _add(a, b):
 
 
 @triton.jit
-def _row_tile(runs_ptr, pointers_ptr, tiles_per_run, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, tile) -> row pointer, its tensor's bit pointer, first Philox block, element indices, mask."""
-    pid = tl.program_id(0).to(tl.int64)
+def _row_tile(runs_ptr, pointers_ptr, tiles_per_run, BITS: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, tile) -> row pointer, tensor index, the bit pointer of the tile's lane 0 and its position in
+    the backup, the first Philox block, and `tile_mask`'s lanes and mask. ALIGNED: the table's pointers and row
+    bounds are 16-byte aligned (RunTable.byte_alignment), so accesses stay 128-bit vectors."""
+    lanes: tl.constexpr = 128 // BITS.primitive_bitwidth  # elements per 128-bit access
+    pid = tl.program_id(0)  # int32, as in triton_rng.run_tile
     row = runs_ptr + (pid // tiles_per_run) * _RUN_COLUMNS
     tensor = tl.load(row)
     start = tl.load(row + 1)
-    stop = tl.load(row + 2)
-    first_block = (start >> 2) + (pid % tiles_per_run) * BLOCK
-    element = 4 * first_block + tl.arange(0, 4 * BLOCK).to(tl.int64)
-    mask = (element >= start) & (element < stop)
-    bits_ptr = tl.load(pointers_ptr + tensor).to(tl.pointer_type(BITS))
-    return row, tensor, start, bits_ptr, first_block, element, mask
+    first_block = (start >> 2) + (pid % tiles_per_run).to(tl.int64) * BLOCK
+    tile_start = 4 * first_block
+    lane, mask = tile_mask(start, tl.load(row + 2), tile_start, ALIGNED, lanes, BLOCK)
+    tensor_ptr = tl.load(pointers_ptr + tensor).to(tl.pointer_type(BITS))
+    backup_start = tl.load(row + 3) - start + tile_start
+    if ALIGNED:
+        tensor_ptr = tl.multiple_of(tensor_ptr, 16)  # bytes, on the pointer: an int -> pointer cast drops hints
+        tile_start = tl.multiple_of(tile_start, lanes)
+        backup_start = tl.multiple_of(backup_start, lanes)
+    tile_ptr = tensor_ptr + tile_start
+    return row, tensor, tile_ptr, backup_start, first_block, lane, mask
 
 
-@triton.jit(do_not_specialize=MULTI_STREAM_ARGS)
+@triton.jit(do_not_specialize=MULTI_STREAM_ARGS + ["tiles_per_run"])
 def _multi_perturb_kernel(
     runs_ptr, pointers_ptr, ids_ptr, backup_ptr, tiles_per_run, sigma, seed_lo, seed_hi, member,
-    DTYPE: tl.constexpr, BITS: tl.constexpr, BACKUP: tl.constexpr, BLOCK: tl.constexpr,
+    DTYPE: tl.constexpr, BITS: tl.constexpr, BACKUP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row, tensor, start, bits_ptr, first_block, element, mask = _row_tile(
-        runs_ptr, pointers_ptr, tiles_per_run, BITS, BLOCK
+    _, tensor, tile_ptr, backup_start, first_block, lane, mask = _row_tile(
+        runs_ptr, pointers_ptr, tiles_per_run, BITS, ALIGNED, BLOCK
     )
-    bits = tl.load(bits_ptr + element, mask=mask)
+    bits = tl.load(tile_ptr + lane, mask=mask)
     if BACKUP:
-        tl.store(backup_ptr + (tl.load(row + 3) - start) + element, bits, mask=mask)
-    eps = normal_tile(first_block, seed_lo, seed_hi, member, tl.load(ids_ptr + tensor), BLOCK)
+        tl.store(backup_ptr + backup_start + lane, bits, mask=mask)
+    paired: tl.constexpr = ALIGNED and BITS.primitive_bitwidth == 16  # see triton_rng._element_tile
+    eps = normal_tile(first_block, seed_lo, seed_hi, member, tl.load(ids_ptr + tensor), BLOCK, paired)
     x = bits.to(DTYPE, bitcast=True).to(tl.float32)
-    tl.store(bits_ptr + element, to_storage(x + sigma * eps, DTYPE).to(BITS, bitcast=True), mask=mask)
+    tl.store(tile_ptr + lane, to_storage(x + sigma * eps, DTYPE).to(BITS, bitcast=True), mask=mask)
 
 
-@triton.jit
-def _multi_restore_kernel(runs_ptr, pointers_ptr, backup_ptr, tiles_per_run, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    row, _, start, bits_ptr, _, element, mask = _row_tile(runs_ptr, pointers_ptr, tiles_per_run, BITS, BLOCK)
-    bits = tl.load(backup_ptr + (tl.load(row + 3) - start) + element, mask=mask)
-    tl.store(bits_ptr + element, bits, mask=mask)
+@triton.jit(do_not_specialize=["tiles_per_run"])
+def _multi_restore_kernel(
+    runs_ptr, pointers_ptr, backup_ptr, tiles_per_run, BITS: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr
+):
+    _, _, tile_ptr, backup_start, _, lane, mask = _row_tile(runs_ptr, pointers_ptr, tiles_per_run, BITS, ALIGNED, BLOCK)
+    tl.store(tile_ptr + lane, tl.load(backup_ptr + backup_start + lane, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "tiles_per_run"])
 def _multi_accumulate_kernel(
     runs_ptr, pointers_ptr, ids_ptr, first_member_ptr, end_member_ptr, members_ptr, coeffs_ptr, partials_ptr,
     tiles_per_run, seed_lo, seed_hi,
-    DTYPE: tl.constexpr, BITS: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
+    DTYPE: tl.constexpr, BITS: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Rows of a subspace without members are neither read nor written (their partial is 0)."""
-    row, tensor, _, bits_ptr, first_block, element, mask = _row_tile(
-        runs_ptr, pointers_ptr, tiles_per_run, BITS, BLOCK
+    row, tensor, tile_ptr, _, first_block, lane, mask = _row_tile(
+        runs_ptr, pointers_ptr, tiles_per_run, BITS, ALIGNED, BLOCK
     )
+    paired: tl.constexpr = ALIGNED and BITS.primitive_bitwidth == 16  # see triton_rng._element_tile
     subspace = tl.load(row + 4)
     first_member = tl.load(first_member_ptr + subspace)
     end_member = tl.load(end_member_ptr + subspace)
     partial = tl.full([], 0.0, tl.float64)
     if end_member > first_member:
         tensor_id = tl.load(ids_ptr + tensor)
-        before = tl.load(bits_ptr + element, mask=mask).to(DTYPE, bitcast=True).to(tl.float32)
+        before = tl.load(tile_ptr + lane, mask=mask).to(DTYPE, bitcast=True).to(tl.float32)
         total = before
         for j in range(first_member, end_member):
-            eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + j), tensor_id, BLOCK)
+            eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + j), tensor_id, BLOCK, paired)
             total += tl.load(coeffs_ptr + j) * eps
         if STOCHASTIC:
             rounding_stream = tl.full((), ROUNDING_STREAM_WORD, tl.uint32)
-            u = uniform_tile(first_block, seed_lo, seed_hi, rounding_stream, tensor_id, BLOCK)
+            u = uniform_tile(first_block, seed_lo, seed_hi, rounding_stream, tensor_id, BLOCK, paired)
             stored = round_stochastic(total, u, DTYPE)
         else:
             stored = to_storage(total, DTYPE)
-        tl.store(bits_ptr + element, stored.to(BITS, bitcast=True), mask=mask)
+        tl.store(tile_ptr + lane, stored.to(BITS, bitcast=True), mask=mask)
         change = tl.where(mask, stored.to(tl.float64) - before.to(tl.float64), 0.0)  # exact in float64
         # tl.reduce with our own combine: tl.sum's is jitted at `import triton`, which may precede the interpreter.
         partial = tl.reduce(change * change, 0, _add)
@@ -117,9 +128,11 @@ def _multi_accumulate_kernel(
 # ----------------------------------------------------------------------------------------------- host side
 
 
-def _grid(table: RunTable) -> tuple[int, int]:
-    """(tiles per row, counters per tile): rows start at chunk boundaries of whole tensors (offset 0)."""
-    return noise_tiles_per_run(table.longest_run, offset=0, chunk_size=table.chunk_size, device=table.device)
+def _grid(table: RunTable) -> tuple[int, int, bool]:
+    """(tiles per row, counters per tile, ALIGNED): rows start at chunk boundaries of whole tensors (offset 0)."""
+    tiles, block = noise_tiles_per_run(table.longest_run, offset=0, chunk_size=table.chunk_size, device=table.device)
+    aligned = table.byte_alignment == 16 and lanes_aligned(element_size=table.tensors[0].element_size(), block=block)
+    return tiles, block, aligned
 
 
 def member_segments(
@@ -142,25 +155,26 @@ def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float, bac
     """Perturb every tensor of `table` on its subspace's chunks; with `backup` (table.backup_numel elements of the
     table's dtype) first copy those chunks there, packed in row order, for `multi_restore_`."""
     v.check_multi_perturb_args(table, seed=seed, member=member, sigma=sigma, backup=backup)
-    tiles, block = _grid(table)
+    tiles, block, aligned = _grid(table)
     if table.num_runs and tiles:
         dtype, bits, bits_torch = _TYPES[table.dtype]
         backup_bits = table.runs if backup is None else backup.view(bits_torch)  # any pointer when BACKUP is off
         seed_lo, seed_hi, member_word, _ = stream_args(seed, member, 0)
         _multi_perturb_kernel[(table.num_runs * tiles,)](
             table.runs, table.pointers, table.ids, backup_bits, tiles, float(sigma), seed_lo, seed_hi, member_word,
-            DTYPE=dtype, BITS=bits, BACKUP=backup is not None, BLOCK=block,
+            DTYPE=dtype, BITS=bits, BACKUP=backup is not None, ALIGNED=aligned, BLOCK=block,
         )
 
 
 def multi_restore_(table: RunTable, backup: torch.Tensor) -> None:
     """Write a `multi_perturb_` backup back into its chunks: the exact inverse, bit for bit."""
     v.check_multi_backup(table, backup)
-    tiles, block = _grid(table)
+    tiles, block, aligned = _grid(table)
     if table.num_runs and tiles:
         _, bits, bits_torch = _TYPES[table.dtype]
         _multi_restore_kernel[(table.num_runs * tiles,)](
-            table.runs, table.pointers, backup.to(table.device).view(bits_torch), tiles, BITS=bits, BLOCK=block
+            table.runs, table.pointers, backup.to(table.device).view(bits_torch), tiles, BITS=bits, ALIGNED=aligned,
+            BLOCK=block,
         )
 
 
@@ -179,7 +193,7 @@ def multi_accumulate_(
         table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
     )
     first_member, end_member, sorted_members, sorted_coeffs = member_segments(table, *host)
-    tiles, block = _grid(table)
+    tiles, block, aligned = _grid(table)
     programs = table.num_runs * tiles
     partials = torch.empty(programs, dtype=torch.float64, device=table.device)
     if programs:
@@ -187,6 +201,7 @@ def multi_accumulate_(
         seed_lo, seed_hi, _, _ = stream_args(seed, 0, 0)
         _multi_accumulate_kernel[(programs,)](
             table.runs, table.pointers, table.ids, first_member, end_member, sorted_members, sorted_coeffs, partials,
-            tiles, seed_lo, seed_hi, DTYPE=dtype, BITS=bits, STOCHASTIC=rounding == "stochastic", BLOCK=block,
+            tiles, seed_lo, seed_hi, DTYPE=dtype, BITS=bits, STOCHASTIC=rounding == "stochastic", ALIGNED=aligned,
+            BLOCK=block,
         )
     return partials.sum()

@@ -25,17 +25,19 @@ from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
 from copes_kernels.triton_rng import (
     STREAM_ARGS,
     int64_args,
+    lanes_aligned,
     noise_block,
     normal_tile,
     run_tile,
     stream_args,
+    tile_mask,
 )
 
 # Integer views for bit-exact copies, by element size.
 BIT_VIEWS = {2: torch.int16, 4: torch.int32}
 
 
-@triton.jit(do_not_specialize=STREAM_ARGS)
+@triton.jit(do_not_specialize=STREAM_ARGS + ["tiles_per_run"])
 def _perturb_kernel(
     dst_ptr,
     src_ptr,
@@ -49,33 +51,40 @@ def _perturb_kernel(
     tensor_id,
     offset_lo,
     offset_hi,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Program = (selected run, tile of BLOCK counters); runs hold global element bounds [start, stop)."""
-    _, first_block, local, mask = run_tile(run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, BLOCK)
-    eps = normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
-    x = tl.load(src_ptr + local, mask=mask).to(tl.float32)
-    tl.store(dst_ptr + local, to_storage(x + sigma * eps, dst_ptr.dtype.element_ty), mask=mask)
+    lanes: tl.constexpr = 128 // dst_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-bit access
+    _, first_block, base, lane, mask = run_tile(
+        run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, ALIGNED, lanes, BLOCK
+    )
+    paired: tl.constexpr = ALIGNED and lanes == 8  # see triton_rng._element_tile
+    eps = normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, paired)
+    x = tl.load(src_ptr + base + lane, mask=mask).to(tl.float32)
+    tl.store(dst_ptr + base + lane, to_storage(x + sigma * eps, dst_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_run"])
 def _copy_runs_kernel(
     chunked_ptr, packed_ptr, run_starts_ptr, run_stops_ptr, packed_starts_ptr, tiles_per_run, TO_PACKED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Copy local runs [start, stop) of the chunked tensor to/from their packed positions."""
-    pid = tl.program_id(0).to(tl.int64)
+    """Copy local runs [start, stop) of the chunked tensor to/from their packed positions (BLOCK elements a tile)."""
+    lanes: tl.constexpr = 128 // chunked_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-bit access
+    pid = tl.program_id(0)
     run = pid // tiles_per_run
-    tile = pid % tiles_per_run
     start = tl.load(run_starts_ptr + run)
-    stop = tl.load(run_stops_ptr + run)
-    chunked_index = start + tile * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    packed_index = tl.load(packed_starts_ptr + run) + chunked_index - start
-    mask = chunked_index < stop
+    tile_start = start + (pid % tiles_per_run).to(tl.int64) * BLOCK
+    lane, mask = tile_mask(start, tl.load(run_stops_ptr + run), tile_start, ALIGNED, lanes, BLOCK // 4)
+    packed_start = tl.load(packed_starts_ptr + run) + tile_start - start
+    if ALIGNED:
+        tile_start = tl.multiple_of(tile_start, lanes)
+        packed_start = tl.multiple_of(packed_start, lanes)
     if TO_PACKED:
-        tl.store(packed_ptr + packed_index, tl.load(chunked_ptr + chunked_index, mask=mask), mask=mask)
+        tl.store(packed_ptr + packed_start + lane, tl.load(chunked_ptr + tile_start + lane, mask=mask), mask=mask)
     else:
-        tl.store(chunked_ptr + chunked_index, tl.load(packed_ptr + packed_index, mask=mask), mask=mask)
+        tl.store(chunked_ptr + tile_start + lane, tl.load(packed_ptr + packed_start + lane, mask=mask), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -130,9 +139,10 @@ def perturb_(
     )
     tiles, block = noise_tiles_per_run(longest, offset=offset, chunk_size=chunk_size, device=dst.device)
     if starts.numel() and tiles:
+        aligned = lanes_aligned(offset, dst.numel(), chunk_size, element_size=dst.element_size(), block=block)
         _perturb_kernel[(starts.numel() * tiles,)](
             dst, dst if src is None else src, starts, stops, tiles, float(sigma),
-            *stream_args(seed, member, tensor_id), *int64_args(offset), BLOCK=block,
+            *stream_args(seed, member, tensor_id), *int64_args(offset), ALIGNED=aligned, BLOCK=block,
         )
     return dst
 
@@ -160,14 +170,18 @@ def packed_runs(
     return PackedRuns(starts - offset, stops - offset, packed_ends - lengths, packed_size, longest)
 
 
-def _copy_runs(chunked: torch.Tensor, packed: torch.Tensor, runs: PackedRuns, *, to_packed: bool) -> None:
-    block = 4 * noise_block(chunked.device)  # elements per program, as many as a noise tile
-    tiles = triton.cdiv(runs.longest, block)
+def _copy_runs(
+    chunked: torch.Tensor, packed: torch.Tensor, runs: PackedRuns, *, offset: int, chunk_size: int, to_packed: bool
+) -> None:
+    block = noise_block(chunked.device)  # counters of a noise tile: 4 * block elements per program
+    tiles = triton.cdiv(runs.longest, 4 * block)
     if runs.starts.numel() and tiles:
         bits = BIT_VIEWS[chunked.element_size()]
+        # Every run bound (and so every packed start) a whole number of 128-bit accesses.
+        aligned = lanes_aligned(offset, chunked.numel(), chunk_size, element_size=chunked.element_size(), block=block)
         _copy_runs_kernel[(runs.starts.numel() * tiles,)](
             chunked.view(bits), packed.view(bits), runs.starts, runs.stops, runs.packed_starts, tiles,
-            TO_PACKED=to_packed, BLOCK=block,
+            TO_PACKED=to_packed, ALIGNED=aligned, BLOCK=4 * block,
         )
 
 
@@ -184,7 +198,7 @@ def backup_chunks(
     v.check_chunking(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
     runs = packed_runs(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
     packed = src.new_empty(runs.packed_size)
-    _copy_runs(src, packed, runs, to_packed=True)
+    _copy_runs(src, packed, runs, offset=offset, chunk_size=chunk_size, to_packed=True)
     return packed
 
 
@@ -203,5 +217,5 @@ def restore_chunks_(
     )
     runs = packed_runs(dst, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
     v.check_backup_size(backup, expected=runs.packed_size, subspace=subspace)
-    _copy_runs(dst, backup.to(dst.device), runs, to_packed=False)
+    _copy_runs(dst, backup.to(dst.device), runs, offset=offset, chunk_size=chunk_size, to_packed=False)
     return dst

@@ -40,6 +40,7 @@ class RunTable:
     backup_sizes: tuple[int, ...]  # elements of subspace's chunks in each tensor
     backup_numel: int  # their sum: the packed backup's size
     longest_run: int  # elements of the longest row (sizes the tiles per row)
+    byte_alignment: int  # largest power of two <= 16 dividing every data pointer and row bound, in bytes
     runs: torch.Tensor  # int64 [rows, RUN_COLUMNS] on the device
     pointers: torch.Tensor  # int64 [tensors] on the device: data_ptr of each tensor
     ids: torch.Tensor  # int64 [tensors] on the device: tensor_id of each tensor
@@ -112,6 +113,9 @@ def build_run_table(
     backup_offsets = np.cumsum(lengths) - lengths
     host_runs = np.stack([table[:, 0], table[:, 1], table[:, 2], backup_offsets, table[:, 3]], axis=1)
     header = np.array([[t.data_ptr() for t in tensors], [int(i) for i in tensor_ids]], dtype=np.int64)
+    bounds_in_bytes = table[:, 1:3].reshape(-1) * tensors[0].element_size()
+    every_bound = np.bitwise_or.reduce(np.concatenate([header[0], bounds_in_bytes]))
+    byte_alignment = 16 if every_bound == 0 else int(min(16, every_bound & -every_bound))  # lowest set bit
     # One upload for the whole table: pointers, ids and runs in one buffer.
     packed = upload(torch.from_numpy(np.concatenate([header.reshape(-1), host_runs.reshape(-1)])), device)
     count = len(tensors)
@@ -125,6 +129,7 @@ def build_run_table(
         backup_sizes=tuple(backup_sizes),
         backup_numel=int(lengths.sum()),
         longest_run=int(lengths.max()) if lengths.size else 0,
+        byte_alignment=byte_alignment,
         runs=packed[2 * count :].view(-1, RUN_COLUMNS),
         pointers=packed[:count],
         ids=packed[count : 2 * count],

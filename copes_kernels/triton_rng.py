@@ -31,7 +31,6 @@ from copes_kernels.rng import (
     PHILOX_ROUNDS,
     PHILOX_W0,
     PHILOX_W1,
-    TWO_PI,
     UNIFORM_HALF_STEP,
     UNIFORM_SCALE,
     check_philox_inputs,
@@ -45,20 +44,38 @@ _W1: tl.constexpr = tl.constexpr(PHILOX_W1)
 _ROUNDS: tl.constexpr = tl.constexpr(PHILOX_ROUNDS)
 _SCALE: tl.constexpr = tl.constexpr(UNIFORM_SCALE)
 _HALF_STEP: tl.constexpr = tl.constexpr(UNIFORM_HALF_STEP)
-_TWO_PI: tl.constexpr = tl.constexpr(TWO_PI)
-# sincos: angles lie in (0, 2 pi], so one Cody-Waite reduction by pi/2 (three parts, each product k * part exact
-# for k <= 4) and Cephes' float32 minimax polynomials on [-pi/4, pi/4] give cos and sin together (~1 ulp), with
-# none of libdevice's large-argument (Payne-Hanek) paths and one reduction instead of two.
-_TWO_OVER_PI: tl.constexpr = tl.constexpr(0.636619772367581343)
-_PIO2_HI: tl.constexpr = tl.constexpr(1.5703125)
-_PIO2_MID: tl.constexpr = tl.constexpr(4.837512969970703125e-4)
-_PIO2_LO: tl.constexpr = tl.constexpr(7.54978995489188216e-8)
-_SIN1: tl.constexpr = tl.constexpr(-1.6666654611e-1)
-_SIN2: tl.constexpr = tl.constexpr(8.3321608736e-3)
-_SIN3: tl.constexpr = tl.constexpr(-1.9515295891e-4)
-_COS1: tl.constexpr = tl.constexpr(4.166664568298827e-2)
-_COS2: tl.constexpr = tl.constexpr(-1.388731625493765e-3)
-_COS3: tl.constexpr = tl.constexpr(2.443315711809948e-5)
+# Box-Muller without libdevice (whose logf and sinf/cosf carry special-value and large-argument paths that
+# uniforms in [2^-25, 1] never take):
+# - ln u: libdevice's reduction u = 2^e * m, m in [2/3, 4/3), and its float32 polynomial in f = m - 1, with every
+#   coefficient scaled by -2 (exact) so the radius's -2 ln u comes out directly:
+#   -2 ln u = f * (f * P(f) - 2) - 2 e ln 2, P the scaled polynomial.
+# - cos/sin(2 pi u): a reduction by half turns, u = k/2 + d with k = round(2u) (a magic-number add, no conversions)
+#   and d in [-1/4, 1/4] exact, so cos(2 pi u) = (-1)^k cos(2 pi d) and sin likewise; the sign goes into the
+#   radius. Minimax polynomials in d (fitted for this range): sin(2 pi d) = d * S(d^2), |error| < 1e-8;
+#   cos(2 pi d) = 1 + d^2 C(d^2), |error| < 6e-8. No angle 2 pi u is ever rounded, so both are closer to the
+#   exact contract than float32 cos(float32(2 pi u)) (bench/README.md, "GPU readiness").
+_LOG_REDUCTION: tl.constexpr = tl.constexpr(0x3F2AAAAB)  # bits of 2/3: m = u / 2^e lands in [2/3, 4/3)
+_EXPONENT_FIELD: tl.constexpr = tl.constexpr(-0x800000)  # 0xFF800000 as int32: sign and exponent bits
+_MINUS_2_LN2_PER_EXPONENT_BIT: tl.constexpr = tl.constexpr(-2 * 0.693147182464599609375 * 2.0**-23)
+# libdevice logf's P(f) coefficients (from f^8 down to f^0), each times -2.
+_LOG_P8: tl.constexpr = tl.constexpr(0.2603771388530731)
+_LOG_P7: tl.constexpr = tl.constexpr(-0.2816922068595886)
+_LOG_P6: tl.constexpr = tl.constexpr(0.24297255277633667)
+_LOG_P5: tl.constexpr = tl.constexpr(-0.2796122133731842)
+_LOG_P4: tl.constexpr = tl.constexpr(0.3336847126483917)
+_LOG_P3: tl.constexpr = tl.constexpr(-0.4002459943294525)
+_LOG_P2: tl.constexpr = tl.constexpr(0.49999338388442993)
+_LOG_P1: tl.constexpr = tl.constexpr(-0.666663646697998)
+_ROUND_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + magic rounds x to an integer in the low bits
+_SIN_S4: tl.constexpr = tl.constexpr(39.7617301940918)
+_SIN_S3: tl.constexpr = tl.constexpr(-76.58140563964844)
+_SIN_S2: tl.constexpr = tl.constexpr(81.60248565673828)
+_SIN_S1: tl.constexpr = tl.constexpr(-41.34168243408203)
+_SIN_S0: tl.constexpr = tl.constexpr(6.2831854820251465)
+_COS_C3: tl.constexpr = tl.constexpr(56.340843200683594)
+_COS_C2: tl.constexpr = tl.constexpr(-85.2540283203125)
+_COS_C1: tl.constexpr = tl.constexpr(64.93521881103516)
+_COS_C0: tl.constexpr = tl.constexpr(-19.739181518554688)
 
 # Counters per program on a GPU: 2048 elements, 16 per thread at 4 warps, enough independent work per thread to
 # hide memory latency without spilling the Philox state.
@@ -103,15 +120,15 @@ def int64_from_words(lo, hi):
 
 
 @triton.jit
-def philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr):
-    """Words x0..x3 of counters q = first_block + [0, BLOCK) (first_block int64).
+def philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr, STRIDE: tl.constexpr):
+    """Words x0..x3 of counters q = first_block + STRIDE * [0, BLOCK) (first_block int64).
 
     The ids may be int32 bit patterns or int64 values: `.to(tl.uint32)` keeps their low 32 bits either way.
     """
-    q = first_block + tl.arange(0, BLOCK).to(tl.int64)
+    q = first_block + tl.arange(0, BLOCK).to(tl.int64) * STRIDE
     c0 = q.to(tl.uint32)
     c1 = (q >> 32).to(tl.uint32)
-    c2 = tl.full([BLOCK], 0, tl.uint32) + member.to(tl.uint32)  # tl.full, a builtin (see in_element_order)
+    c2 = tl.full([BLOCK], 0, tl.uint32) + member.to(tl.uint32)  # tl.full, a builtin (see counter_words)
     c3 = tl.full([BLOCK], 0, tl.uint32) + tensor_id.to(tl.uint32)
     return philox_rounds(c0, c1, c2, c3, seed_lo.to(tl.uint32), seed_hi.to(tl.uint32))
 
@@ -128,69 +145,119 @@ def uniforms(x0, x1, x2, x3):
 
 
 @triton.jit
-def in_element_order(w0, w1, w2, w3):
-    """[BLOCK] x 4 per-counter values -> [4 BLOCK] with element 4q + k holding w_k.
+def counter_words(w0, w1, w2, w3):
+    """[N] x 4 per-counter values -> [N, 4] (counter, word k): each counter's four words in one thread.
 
-    tl.join + reshape (builtins) rather than tl.interleave, a @triton.jit helper of triton.language: when triton is
-    imported before TRITON_INTERPRET is set (transformers imports it), such helpers cannot run in the interpreter."""
-    pairs02 = tl.join(w0, w2)  # [BLOCK, 2]
-    pairs13 = tl.join(w1, w3)
-    return tl.reshape(tl.join(pairs02, pairs13), [4 * w0.shape[0]])  # [BLOCK, 2, 2]: (q, k & 1, k >> 1)
+    tl.join + permute + reshape (builtins) rather than tl.interleave, a @triton.jit helper of triton.language: when
+    triton is imported before TRITON_INTERPRET is set (transformers imports it), such helpers cannot run in the
+    interpreter."""
+    words = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [N, 2, 2]: (q, k & 1, k >> 1)
+    return tl.reshape(tl.permute(words, (0, 2, 1)), [w0.shape[0], 4])
 
 
 @triton.jit
-def run_tile(run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, BLOCK: tl.constexpr):
-    """The tile of program (selected run, tile): its first Philox block, element indices local to the slice, and the
-    mask of elements inside the run's global bounds [start, stop). Shared by every noise kernel launched over runs."""
-    pid = tl.program_id(0).to(tl.int64)
+def tile_mask(start, stop, tile_start, ALIGNED: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
+    """int32 lanes [0, 4 BLOCK) of the tile whose lane 0 is element `tile_start`, and the mask of the lanes inside
+    [start, stop) (int64 scalars: the bounds are clamped once per program, so the per-lane compares are int32).
+
+    ALIGNED is the host's promise that start <= tile_start and that stop - tile_start is a multiple of VEC (the
+    lanes of one 128-bit access): the mask is then constant over each VEC lanes and loads/stores stay vectors.
+    """
+    lane = tl.arange(0, 4 * BLOCK)
+    hi = tl.minimum(tl.maximum(stop - tile_start, 0), 4 * BLOCK).to(tl.int32)
+    if ALIGNED:
+        mask = lane < tl.multiple_of(hi, VEC)
+    else:
+        lo = tl.minimum(tl.maximum(start - tile_start, 0), 4 * BLOCK).to(tl.int32)
+        mask = (lane >= lo) & (lane < hi)
+    return lane, mask
+
+
+@triton.jit
+def run_tile(
+    run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, ALIGNED: tl.constexpr, VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The tile of program (selected run, tile) over runs of global bounds [start, stop): its run, first Philox
+    block, the int64 index of its lane 0 inside the slice, and `tile_mask`'s lanes and mask. Shared by every noise
+    kernel launched over runs; element `base + lane` of the slice is global element 4 * first_block + lane."""
+    pid = tl.program_id(0)  # int32: a grid holds < 2^31 programs, and int32 division costs a fraction of int64's
     run = pid // tiles_per_run
-    tile = pid % tiles_per_run
     start = tl.load(run_starts_ptr + run)
     stop = tl.load(run_stops_ptr + run)
-    first_block = (start >> 2) + tile * BLOCK
-    element = 4 * first_block + tl.arange(0, 4 * BLOCK).to(tl.int64)
-    mask = (element >= start) & (element < stop)
-    return run, first_block, element - int64_from_words(offset_lo, offset_hi), mask
+    first_block = (start >> 2) + (pid % tiles_per_run).to(tl.int64) * BLOCK
+    lane, mask = tile_mask(start, stop, 4 * first_block, ALIGNED, VEC, BLOCK)
+    base = 4 * first_block - int64_from_words(offset_lo, offset_hi)
+    if ALIGNED:
+        base = tl.multiple_of(base, VEC)
+    return run, first_block, base, lane, mask
 
 
 @triton.jit
-def sincos(angle):
-    """(cos, sin) of float32 angles in [0, 2 pi] with one shared range reduction (constants above)."""
-    quadrant = (angle * _TWO_OVER_PI + 0.5).to(tl.int32)  # round to nearest: angle >= 0
-    k = quadrant.to(tl.float32)
-    r = angle - k * _PIO2_HI
-    r = r - k * _PIO2_MID
-    r = r - k * _PIO2_LO
-    r2 = r * r
-    s = r + r * r2 * (_SIN1 + r2 * (_SIN2 + r2 * _SIN3))
-    c = 1.0 - 0.5 * r2 + r2 * r2 * (_COS1 + r2 * (_COS2 + r2 * _COS3))
-    q = quadrant & 3
-    swap = (q & 1) == 1
-    cos_r = tl.where(swap, s, c)
-    sin_r = tl.where(swap, c, s)
-    cos = tl.where((q == 1) | (q == 2), -cos_r, cos_r)
-    sin = tl.where(q >= 2, -sin_r, sin_r)
-    return cos, sin
+def minus_2_log(u):
+    """-2 ln u for float32 u in [2^-25, 1] (constants above; ~2 ulp)."""
+    bits = u.to(tl.int32, bitcast=True)
+    exponent_bits = (bits - _LOG_REDUCTION) & _EXPONENT_FIELD  # e * 2^23, e in [-25, 0]
+    f = (bits - exponent_bits).to(tl.float32, bitcast=True) - 1.0
+    # Tensor first in every product: constexpr * tensor stays a constexpr in the interpreter.
+    p = ((((f * _LOG_P8 + _LOG_P7) * f + _LOG_P6) * f + _LOG_P5) * f + _LOG_P4) * f + _LOG_P3
+    p = ((p * f + _LOG_P2) * f + _LOG_P1) * f + 1.0
+    return f * (f * p - 2.0) + exponent_bits.to(tl.float32) * _MINUS_2_LN2_PER_EXPONENT_BIT
 
 
 @triton.jit
-def normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr):
+def box_muller(u_radius, u_angle):
+    """(n0, n1) = sqrt(-2 ln u_radius) * (cos, sin)(2 pi u_angle) (constants above)."""
+    rounded = u_angle * 2.0 + _ROUND_MAGIC  # k = round(2 u) in the low mantissa bits
+    d = u_angle - (rounded - _ROUND_MAGIC) * 0.5  # exact
+    z = d * d
+    radius = tl.sqrt(minus_2_log(u_radius))
+    # (-1)^k: bit 0 of k, moved to the sign bit, flips the radius.
+    sign = rounded.to(tl.uint32, bitcast=True) << 31
+    signed = (radius.to(tl.uint32, bitcast=True) ^ sign).to(tl.float32, bitcast=True)
+    cos = (((z * _COS_C3 + _COS_C2) * z + _COS_C1) * z + _COS_C0) * z + 1.0
+    sin = ((((z * _SIN_S4 + _SIN_S3) * z + _SIN_S2) * z + _SIN_S1) * z + _SIN_S0) * d
+    return signed * cos, signed * sin
+
+
+@triton.jit
+def _noise_words(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr, STRIDE: tl.constexpr,
+                 NORMAL: tl.constexpr):
+    """[BLOCK, 4] eps (NORMAL) or u of counters first_block + STRIDE * [0, BLOCK)."""
+    x0, x1, x2, x3 = philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, STRIDE)
+    u0, u1, u2, u3 = uniforms(x0, x1, x2, x3)
+    if NORMAL:
+        n0, n1 = box_muller(u0, u1)
+        n2, n3 = box_muller(u2, u3)
+        return counter_words(n0, n1, n2, n3)
+    return counter_words(u0, u1, u2, u3)
+
+
+@triton.jit
+def _element_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr, PAIRED: tl.constexpr,
+                  NORMAL: tl.constexpr):
+    """Values of elements 4 * first_block + [0, 4 BLOCK) in element order (word i & 3 of counter i >> 2).
+
+    PAIRED (aligned 16-bit storage: one 128-bit access holds 8 elements, two counters) computes the even and the
+    odd counters as two tensors and interleaves them, so each thread owns two consecutive counters and the compiler
+    needs no shared-memory shuffle to give the 8 elements of an access to one thread."""
+    if PAIRED:
+        even = _noise_words(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK // 2, 2, NORMAL)
+        odd = _noise_words(first_block + 1, seed_lo, seed_hi, member, tensor_id, BLOCK // 2, 2, NORMAL)
+        return tl.reshape(tl.permute(tl.join(even, odd), (0, 2, 1)), [4 * BLOCK])  # [BLOCK/2, 2, 4]: (pair, odd, k)
+    return tl.reshape(_noise_words(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, 1, NORMAL), [4 * BLOCK])
+
+
+@triton.jit
+def normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr, PAIRED: tl.constexpr):
     """eps of elements 4 * first_block + [0, 4 BLOCK), in element order, float32."""
-    x0, x1, x2, x3 = philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
-    u0, u1, u2, u3 = uniforms(x0, x1, x2, x3)
-    radius01 = tl.sqrt_rn(-2.0 * tl.log(u0))
-    radius23 = tl.sqrt_rn(-2.0 * tl.log(u2))
-    cos01, sin01 = sincos(u1 * _TWO_PI)  # tensor first: constexpr * tensor stays a constexpr in the interpreter
-    cos23, sin23 = sincos(u3 * _TWO_PI)
-    return in_element_order(radius01 * cos01, radius01 * sin01, radius23 * cos23, radius23 * sin23)
+    return _element_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, PAIRED, True)
 
 
 @triton.jit
-def uniform_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr):
+def uniform_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK: tl.constexpr, PAIRED: tl.constexpr):
     """u of elements 4 * first_block + [0, 4 BLOCK), in element order (word i & 3 of block i >> 2)."""
-    x0, x1, x2, x3 = philox_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
-    u0, u1, u2, u3 = uniforms(x0, x1, x2, x3)
-    return in_element_order(u0, u1, u2, u3)
+    return _element_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, PAIRED, False)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -215,20 +282,22 @@ def _philox_kernel(counter_ptr, key_ptr, words_ptr, rows, BLOCK: tl.constexpr):
     tl.store(words_ptr + 4 * row + 3, x3.to(tl.int64), mask=mask)
 
 
-@triton.jit(do_not_specialize=STREAM_ARGS)
+@triton.jit(do_not_specialize=STREAM_ARGS + ["n", "tiles_per_row"])
 def _normal_rows_kernel(
-    out_ptr, members_ptr, n, tiles_per_row, seed_lo, seed_hi, tensor_id, offset_lo, offset_hi, BLOCK: tl.constexpr
+    out_ptr, members_ptr, n, tiles_per_row, seed_lo, seed_hi, tensor_id, offset_lo, offset_hi, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Row r of out [rows, n] gets eps(offset), ..., eps(offset + n - 1) of member members[r]."""
-    pid = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
     row = pid // tiles_per_row
-    tile = pid % tiles_per_row
     offset = int64_from_words(offset_lo, offset_hi)
-    member = tl.load(members_ptr + row)
-    first_block = (offset >> 2) + tile * BLOCK
-    local = 4 * first_block + tl.arange(0, 4 * BLOCK).to(tl.int64) - offset
-    eps = normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK)
-    tl.store(out_ptr + row * n + local, eps, mask=(local >= 0) & (local < n))
+    first_block = (offset >> 2) + (pid % tiles_per_row).to(tl.int64) * BLOCK
+    lane, mask = tile_mask(offset, offset + n, 4 * first_block, ALIGNED, 4, BLOCK)
+    base = row.to(tl.int64) * n + 4 * first_block - offset
+    if ALIGNED:
+        base = tl.multiple_of(base, 4)
+    eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + row), tensor_id, BLOCK, False)
+    tl.store(out_ptr + base + lane, eps, mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -259,6 +328,13 @@ def noise_block(device: torch.device) -> int:
     return INTERPRETER_NOISE_BLOCK if device.type == "cpu" else GPU_NOISE_BLOCK
 
 
+def lanes_aligned(*elements: int, element_size: int, block: int) -> bool:
+    """Whether every count of elements (offsets, sizes, chunk size), and a tile of `block` counters, is a whole number
+    of 128-bit accesses: `tile_mask`'s ALIGNED promise, which keeps a kernel's loads and stores vectorised."""
+    lanes = 16 // element_size
+    return all(count % lanes == 0 for count in (*elements, 4 * block))
+
+
 def blocks_spanned(length: int, *, aligned: bool) -> int:
     """Most Philox counters a run of `length` elements touches: one more when runs may start mid-block."""
     return -(-length // 4) if aligned else (length + 2) // 4 + 1
@@ -275,7 +351,8 @@ def fill_normal_rows_(
     tiles_per_row = triton.cdiv(blocks_spanned(n, aligned=offset % 4 == 0), block)
     seed_lo, seed_hi, _, tensor_word = stream_args(seed, 0, tensor_id)
     _normal_rows_kernel[(rows * tiles_per_row,)](
-        out, members, n, tiles_per_row, seed_lo, seed_hi, tensor_word, *int64_args(offset), BLOCK=block
+        out, members, n, tiles_per_row, seed_lo, seed_hi, tensor_word, *int64_args(offset),
+        ALIGNED=lanes_aligned(offset, n, element_size=4, block=block), BLOCK=block,
     )
     return out
 

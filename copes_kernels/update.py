@@ -27,13 +27,14 @@ from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
 from copes_kernels.triton_rng import (
     STREAM_ARGS,
     int64_args,
+    lanes_aligned,
     normal_tile,
     run_tile,
     stream_args,
     uniform_tile,
 )
 
-@triton.jit(do_not_specialize=STREAM_ARGS)
+@triton.jit(do_not_specialize=STREAM_ARGS + ["tiles_per_run"])
 def _accumulate_kernel(
     target_ptr,
     run_starts_ptr,
@@ -49,20 +50,26 @@ def _accumulate_kernel(
     offset_lo,
     offset_hi,
     STOCHASTIC: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Program = (run, tile of BLOCK counters); run r adds the members [first_member[r], end_member[r])."""
-    run, first_block, local, mask = run_tile(run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, BLOCK)
-    total = tl.load(target_ptr + local, mask=mask).to(tl.float32)
+    lanes: tl.constexpr = 128 // target_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-bit access
+    run, first_block, base, lane, mask = run_tile(
+        run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, ALIGNED, lanes, BLOCK
+    )
+    tile_ptr = target_ptr + base
+    paired: tl.constexpr = ALIGNED and lanes == 8  # see triton_rng._element_tile
+    total = tl.load(tile_ptr + lane, mask=mask).to(tl.float32)
     for j in range(tl.load(run_first_member_ptr + run), tl.load(run_end_member_ptr + run)):
-        eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + j), tensor_id, BLOCK)
+        eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + j), tensor_id, BLOCK, paired)
         total += tl.load(coeffs_ptr + j) * eps
     if STOCHASTIC:
         rounding_stream = tl.full((), ROUNDING_STREAM_WORD, tl.uint32)
-        u = uniform_tile(first_block, seed_lo, seed_hi, rounding_stream, tensor_id, BLOCK)
-        tl.store(target_ptr + local, round_stochastic(total, u, target_ptr.dtype.element_ty), mask=mask)
+        u = uniform_tile(first_block, seed_lo, seed_hi, rounding_stream, tensor_id, BLOCK, paired)
+        tl.store(tile_ptr + lane, round_stochastic(total, u, target_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(target_ptr + local, to_storage(total, target_ptr.dtype.element_ty), mask=mask)
+        tl.store(tile_ptr + lane, to_storage(total, target_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -132,6 +139,8 @@ def accumulate_(
         seed_lo, seed_hi, _, tensor_word = stream_args(seed, 0, tensor_id)
         _accumulate_kernel[(starts.numel() * tiles,)](
             target, starts, stops, first_member, end_member, sorted_members, sorted_coeffs, tiles,
-            seed_lo, seed_hi, tensor_word, *int64_args(offset), STOCHASTIC=rounding == "stochastic", BLOCK=block,
+            seed_lo, seed_hi, tensor_word, *int64_args(offset), STOCHASTIC=rounding == "stochastic",
+            ALIGNED=lanes_aligned(offset, target.numel(), chunk_size, element_size=target.element_size(), block=block),
+            BLOCK=block,
         )
     return target

@@ -25,7 +25,8 @@ STREAM = {name: "i32" for name in triton_rng.STREAM_ARGS}
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 THREADS = 4 * 32  # Triton's default num_warps=4
 # Kernels whose BLOCK counts Philox counters (4 elements each) rather than elements.
-NOISE_KERNELS = {"normal_rows", "perturb", "accumulate", "multi_perturb", "multi_restore", "multi_accumulate"}
+NOISE_KERNELS = {"normal_rows", "perturb", "accumulate", "multi_perturb", "multi_restore", "multi_accumulate",
+                 "store_stochastic"}
 # A SASS instruction line of cuobjdump: /*0af0*/  @!P0 IMAD.WIDE R2, R3, ...
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\b(.*?);")
 
@@ -33,6 +34,12 @@ _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 def _signature(kernel, **types: str) -> dict[str, str]:
     """Argument types in the kernel's parameter order (a renamed parameter fails loudly here)."""
     return {name: types[name] if name in types else STREAM[name] for name in kernel.arg_names}
+
+
+def aligned_pointers(kernel, signature: dict[str, str]) -> dict[tuple[int], list[list[object]]]:
+    """Every pointer argument 16-byte aligned: the specialisation a launch gets for tensors torch allocated."""
+    return {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+            if kind.startswith("*")}
 
 
 def _triton_types(names: dict[str, str]) -> dict[str, object]:
@@ -49,23 +56,25 @@ def kernel_cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]
                     BLOCK="constexpr"), {"BLOCK": triton_rng.PHILOX_ROWS}),
         ("normal_rows", triton_rng._normal_rows_kernel,
          _signature(triton_rng._normal_rows_kernel, out_ptr="*fp32", members_ptr="*i64", n="i32", tiles_per_row="i32",
-                    BLOCK="constexpr"), {"BLOCK": triton_rng.GPU_NOISE_BLOCK}),
+                    ALIGNED="constexpr", BLOCK="constexpr"), {"ALIGNED": True, "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
         ("copy_runs", perturb._copy_runs_kernel,
          _signature(perturb._copy_runs_kernel, chunked_ptr="*i16", packed_ptr="*i16", run_starts_ptr="*i64",
                     run_stops_ptr="*i64", packed_starts_ptr="*i64", tiles_per_run="i32", TO_PACKED="constexpr",
-                    BLOCK="constexpr"), {"TO_PACKED": True, "BLOCK": 4 * triton_rng.GPU_NOISE_BLOCK}),
+                    ALIGNED="constexpr", BLOCK="constexpr"),
+         {"TO_PACKED": True, "ALIGNED": True, "BLOCK": 4 * triton_rng.GPU_NOISE_BLOCK}),
     ]
     for dtype in ("fp32", "bf16", "fp16"):
         cases += [
             (f"perturb[{dtype}]", perturb._perturb_kernel,
              _signature(perturb._perturb_kernel, dst_ptr=f"*{dtype}", src_ptr=f"*{dtype}", run_starts_ptr="*i64",
-                        run_stops_ptr="*i64", tiles_per_run="i32", sigma="fp32", BLOCK="constexpr"),
-             {"BLOCK": triton_rng.GPU_NOISE_BLOCK}),
+                        run_stops_ptr="*i64", tiles_per_run="i32", sigma="fp32", ALIGNED="constexpr",
+                        BLOCK="constexpr"),
+             {"ALIGNED": True, "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
             (f"accumulate[{dtype}]", update._accumulate_kernel,
              _signature(update._accumulate_kernel, target_ptr=f"*{dtype}", run_starts_ptr="*i64", run_stops_ptr="*i64",
                         run_first_member_ptr="*i64", run_end_member_ptr="*i64", members_ptr="*i64", coeffs_ptr="*fp32",
-                        tiles_per_run="i32", STOCHASTIC="constexpr", BLOCK="constexpr"),
-             {"STOCHASTIC": dtype != "fp32", "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
+                        tiles_per_run="i32", STOCHASTIC="constexpr", ALIGNED="constexpr", BLOCK="constexpr"),
+             {"STOCHASTIC": dtype != "fp32", "ALIGNED": True, "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
         ]
         lowrank_signature = _signature(
             lowrank._lowrank_correction_kernel, out_ptr=f"*{dtype}", x_ptr=f"*{dtype}", a_ptr="*fp32", b_ptr="*fp32",
@@ -79,6 +88,10 @@ def kernel_cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]
                                                       ("decode", 1, 1, False), ("fma16", 16, 1, False)):
             cases.append((f"lowrank_{label}[{dtype}]", lowrank._lowrank_correction_kernel, lowrank_signature,
                           {**tiles, "BLOCK_T": token_tile, "RANK": rank_tile, "USE_DOT": use_dot}))
+    # The variants odd offsets and sizes compile (no 128-bit promise): scalar accesses, both mask bounds.
+    unaligned = [case for case in cases if case[0] in ("perturb[bf16]", "accumulate[bf16]")]
+    for name, kernel, signature, constexprs in unaligned:
+        cases.append((name.replace("]", ",unaligned]"), kernel, signature, {**constexprs, "ALIGNED": False}))
     bits = {"fp32": "i32", "bf16": "i16", "fp16": "i16"}
     for dtype in ("fp32", "bf16", "fp16"):
         types = {"DTYPE": dtype, "BITS": bits[dtype]}
@@ -86,24 +99,26 @@ def kernel_cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]
             (f"multi_perturb[{dtype}]", multi_tensor._multi_perturb_kernel,
              _signature(multi_tensor._multi_perturb_kernel, runs_ptr="*i64", pointers_ptr="*i64", ids_ptr="*i64",
                         backup_ptr=f"*{bits[dtype]}", tiles_per_run="i32", sigma="fp32", DTYPE="constexpr",
-                        BITS="constexpr", BACKUP="constexpr", BLOCK="constexpr"),
-             {**_triton_types(types), "BACKUP": True, "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
+                        BITS="constexpr", BACKUP="constexpr", ALIGNED="constexpr", BLOCK="constexpr"),
+             {**_triton_types(types), "BACKUP": True, "ALIGNED": True, "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
             (f"multi_restore[{dtype}]", multi_tensor._multi_restore_kernel,
              _signature(multi_tensor._multi_restore_kernel, runs_ptr="*i64", pointers_ptr="*i64",
-                        backup_ptr=f"*{bits[dtype]}", tiles_per_run="i32", BITS="constexpr", BLOCK="constexpr"),
-             {"BITS": _triton_types(types)["BITS"], "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
+                        backup_ptr=f"*{bits[dtype]}", tiles_per_run="i32", BITS="constexpr", ALIGNED="constexpr",
+                        BLOCK="constexpr"),
+             {"BITS": _triton_types(types)["BITS"], "ALIGNED": True, "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
             (f"multi_accumulate[{dtype}]", multi_tensor._multi_accumulate_kernel,
              _signature(multi_tensor._multi_accumulate_kernel, runs_ptr="*i64", pointers_ptr="*i64", ids_ptr="*i64",
                         first_member_ptr="*i64", end_member_ptr="*i64", members_ptr="*i64", coeffs_ptr="*fp32",
                         partials_ptr="*fp64", tiles_per_run="i32", DTYPE="constexpr", BITS="constexpr",
-                        STOCHASTIC="constexpr", BLOCK="constexpr"),
-             {**_triton_types(types), "STOCHASTIC": dtype != "fp32", "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
+                        STOCHASTIC="constexpr", ALIGNED="constexpr", BLOCK="constexpr"),
+             {**_triton_types(types), "STOCHASTIC": dtype != "fp32", "ALIGNED": True,
+              "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
         ]
     for dtype in ("bf16", "fp16"):
         cases.append(
             (f"store_stochastic[{dtype}]", _shared._store_stochastic_kernel,
              _signature(_shared._store_stochastic_kernel, dst_ptr=f"*{dtype}", values_ptr="*fp32", n="i32",
-                        BLOCK="constexpr"), {"BLOCK": 4 * triton_rng.GPU_NOISE_BLOCK})
+                        ALIGNED="constexpr", BLOCK="constexpr"), {"ALIGNED": True, "BLOCK": triton_rng.GPU_NOISE_BLOCK})
         )
     return cases
 
@@ -143,6 +158,9 @@ def sass_counts(cubin: bytes, elements_per_thread: int) -> str:
         body.pop()
     total = len(body)
     text = f"sass:{total} per-element:{total / elements_per_thread:.1f}"
+    # 128-bit global accesses, and shared-memory traffic (a layout shuffle or a cross-warp reduction).
+    text += f" ldg128+stg128:{sum(1 for _, opcode, _ in body if opcode in ('LDG.E.128', 'STG.E.128'))}"
+    text += f" shared:{sum(1 for _, opcode, _ in body if opcode.startswith(('LDS', 'STS')))}"
     loops = []
     for address, opcode, operands in body:
         target = re.search(r"0x([0-9a-f]+)", operands)
@@ -165,7 +183,9 @@ def main() -> None:
     for name, kernel, signature, constexprs in kernel_cases():
         # Constexprs keyed by (argument index,): the form every Triton 3.x accepts.
         by_index = {(kernel.arg_names.index(arg),): value for arg, value in constexprs.items()}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=by_index), target=target)
+        attrs = aligned_pointers(kernel, signature)
+        source = ASTSource(fn=kernel, signature=signature, constexprs=by_index, attrs=attrs)
+        compiled = triton.compile(source, target=target)
         if "cubin" in compiled.asm:
             cubin = compiled.asm["cubin"]
             usage = f"{resource_usage(cubin)} {sass_counts(cubin, elements_per_thread(name, constexprs))}"

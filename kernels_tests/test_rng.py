@@ -69,6 +69,20 @@ def test_normals_follow_the_written_contract() -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
 
 
+def test_triton_normals_stay_within_2e_6_of_the_exact_contract() -> None:
+    """The kernels' own ln / sincos polynomials (no libdevice) against the contract in float64, over 2^16 draws."""
+    seed, member, tensor_id, n = 0xFEEDFACE12345678, 3, 0x51ED, STATS_SAMPLES
+    q = torch.arange(n // 4)
+    counters = torch.stack([q, torch.zeros_like(q), torch.full_like(q, member), torch.full_like(q, tensor_id)], -1)
+    words = reference.philox4x32_10(counters, torch.tensor([seed & MASK32, seed >> 32])).double()
+    u = (torch.floor(words / 256) * 2.0**-24 + 2.0**-25).float().double()  # the contract's u: rounded to float32
+    radius, angle = torch.sqrt(-2 * torch.log(u[:, 0::2])), 2 * np.pi * u[:, 1::2]
+    exact = torch.stack([radius[:, 0] * torch.cos(angle[:, 0]), radius[:, 0] * torch.sin(angle[:, 0]),
+                         radius[:, 1] * torch.cos(angle[:, 1]), radius[:, 1] * torch.sin(angle[:, 1])], -1)
+    kernel = triton_rng.normal(n, seed=seed, member=member, tensor_id=tensor_id).double()
+    torch.testing.assert_close(kernel, exact.reshape(-1), rtol=0, atol=2e-6)
+
+
 def test_extreme_words_give_finite_uniforms_and_normals() -> None:
     words = torch.tensor([[0, 0, MASK32, MASK32]], dtype=torch.int64)
     u = words_to_uniform(words)

@@ -83,9 +83,9 @@ def _fitness(model: torch.nn.Module) -> float:
     return -float(model(tokens, labels=tokens).loss)
 
 
-def _strategy(tensors: int, *, multi_tensor: bool = True) -> copes.CoPES:
+def _strategy(tensors: int, *, multi_tensor: bool = True, **options: object) -> copes.CoPES:
     model = tiny_qwen3(seed=3, dtype=torch.bfloat16, num_hidden_layers=LAYERS[tensors])
-    es = copes.CoPES(model, population=POPULATION, num_subspaces=SUBSPACES, sigma=0.05, lr=0.01, seed=11)
+    es = copes.CoPES(model, population=POPULATION, num_subspaces=SUBSPACES, sigma=0.05, lr=0.01, seed=11, **options)
     es.space.multi_tensor = multi_tensor
     assert len(es.space.parameters) == tensors
     return es
@@ -122,9 +122,18 @@ def test_member_and_update_launches_and_syncs_do_not_grow_with_tensors(monkeypat
     assert per_tensor_update["launches"] >= 35 and per_tensor_update["syncs"] >= 35, per_tensor_update
 
 
-def test_multi_tensor_weights_match_the_per_tensor_path_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "options", [{}, pytest.param(dict(restore="subtract", stream_elements=1000), marks=pytest.mark.slow)],
+    ids=["whole", "sliced"],
+)
+def test_multi_tensor_weights_match_the_per_tensor_path_bit_for_bit(
+    options: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "sliced": with stream_elements the per-tensor path works slice by slice; the fused path serves a subtracting
+    # restore and the update whole (they hold no transient buffers for slicing to bound).
     monkeypatch.setenv("COPES_BACKEND", "triton")
-    fused, per_tensor = _strategy(35), _strategy(35, multi_tensor=False)
+    fused, per_tensor = _strategy(35, **options), _strategy(35, multi_tensor=False, **options)
+    assert fused.space._fused() and fused.space._fused(update=True)
     for _ in range(2):
         fused_stats, per_tensor_stats = fused.step(_fitness), per_tensor.step(_fitness)
         assert fused_stats.mean_reward == per_tensor_stats.mean_reward
