@@ -26,7 +26,9 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -38,9 +40,7 @@ from numba.extending import intrinsic, overload
 
 from copes_kernels import _validate as v
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE
-# The multi-tensor ops loop over the per-tensor ops through the dispatcher (their reference twins do exactly
-# that), so on CPU tensors every run of a table is one compiled per-tensor call.
-from copes_kernels.reference import multi_accumulate_, multi_perturb_, multi_restore_  # noqa: F401
+from copes_kernels.run_tables import BACKUP, START, STOP, TENSOR, RunTable
 from copes_kernels.rng import (
     MASK32,
     PHILOX_M0,
@@ -556,6 +556,113 @@ def _lowrank_correction_kernel(out, x, A, B, row_slot, tokens, scale):
                 out[row, o] = from_float(to_float(out[row, o]) + scale * correction[o], out)
 
 
+# ------------------------------------------------------------------------- multi-tensor kernels (run tables)
+# A run table (run_tables.py) lists each tensor by its data address: the kernels view it with numba.carray, so one
+# call covers every tensor of a dtype group. Tiles cut the rows on each tensor's own grid of TILE elements.
+
+
+@intrinsic
+def _pointer_to(typingctx, address, like):
+    """An int64 data address -> a pointer to elements of `like`'s dtype (`like` only carries the type)."""
+    if not isinstance(address, types.Integer) or not isinstance(like, types.Array):
+        return None
+    pointer = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(address, like), codegen
+
+
+@numba.njit(inline="always", **JIT)
+def _tensor_view(pointers, numels, tensor, like):
+    """Tensor `tensor` of a run table as a 1-D array of `like`'s dtype (shared memory)."""
+    return numba.carray(_pointer_to(pointers[tensor], like), numels[tensor])
+
+
+@numba.njit(parallel=True, **JIT)
+def _multi_perturb_kernel(
+    runs, pointers, numels, ids, like, backup, with_backup, sigma, member, key0, key1
+):
+    """Per run row (tensor, start, stop, backup offset, subspace): pack the row's bits into `backup` (when
+    `with_backup`; `backup` is a same-width integer array), then dst = dst + sigma * eps of that tensor."""
+    tile_starts, tile_stops, tile_rows = _tile_table(runs[:, 1], runs[:, 2], 0)
+    sigma, member = _F(sigma), _U64(member)
+    _, key0, key1 = _as_words(0, key0, key1)
+    for t in prange(tile_starts.size):
+        start, stop, row = tile_starts[t], tile_stops[t], tile_rows[t]
+        tensor = runs[row, 0]
+        dst = _tensor_view(pointers, numels, tensor, like)
+        if with_backup:
+            dst_bits = _tensor_view(pointers, numels, tensor, backup)
+            packed_base = runs[row, 3] - runs[row, 1]
+            for i in range(start, stop):
+                backup[packed_base + i] = dst_bits[i]
+        first_block, blocks, shift = _tile_blocks(0, start, stop)
+        eps = np.empty(4 * blocks, np.float32)
+        _fill_normals(eps, first_block, blocks, member, _U64(ids[tensor]), key0, key1)
+        for i in range(start, stop):
+            dst[i] = from_float(to_float(dst[i]) + sigma * eps[i + shift], dst)
+
+
+@numba.njit(parallel=True, **JIT)
+def _multi_restore_kernel(runs, pointers, numels, backup):
+    """Per run row: write its packed bits back from `backup` (the inverse of the perturb kernel's copy)."""
+    tile_starts, tile_stops, tile_rows = _tile_table(runs[:, 1], runs[:, 2], 0)
+    for t in prange(tile_starts.size):
+        start, stop, row = tile_starts[t], tile_stops[t], tile_rows[t]
+        dst_bits = _tensor_view(pointers, numels, runs[row, 0], backup)
+        packed_base = runs[row, 3] - runs[row, 1]
+        for i in range(start, stop):
+            dst_bits[i] = backup[packed_base + i]
+
+
+@numba.njit(parallel=True, **JIT)
+def _multi_accumulate_kernel(
+    runs, pointers, numels, ids, like, member_owners, members, coeffs, stochastic, key0, key1
+):
+    """Per run row: add the members of the row's subspace (members sorted by owner, `member_owners` ascending) in
+    one float32 tile, store once; rows of a subspace without members are neither read nor written. Returns the
+    float64 sum of squared stored changes, added over tiles in tile order (the same for any thread count)."""
+    tile_starts, tile_stops, tile_rows = _tile_table(runs[:, 1], runs[:, 2], 0)
+    partials = np.zeros(tile_starts.size, np.float64)
+    _, key0, key1 = _as_words(0, key0, key1)
+    for t in prange(tile_starts.size):
+        start, stop, row = tile_starts[t], tile_stops[t], tile_rows[t]
+        low = np.searchsorted(member_owners, runs[row, 4], side="left")
+        high = np.searchsorted(member_owners, runs[row, 4], side="right")
+        if high > low:
+            tensor = runs[row, 0]
+            tensor_id = _U64(ids[tensor])
+            target = _tensor_view(pointers, numels, tensor, like)
+            first_block, blocks, shift = _tile_blocks(0, start, stop)
+            total = np.empty(stop - start, np.float32)
+            for i in range(start, stop):
+                total[i - start] = to_float(target[i])
+            eps = np.empty(4 * blocks, np.float32)
+            for j in range(low, high):
+                _fill_normals(eps, first_block, blocks, _U64(members[j]), tensor_id, key0, key1)
+                coeff = coeffs[j]
+                for i in range(start, stop):
+                    total[i - start] += coeff * eps[i + shift]
+            if stochastic:
+                _fill_uniforms(eps, first_block, blocks, _ROUNDING, tensor_id, key0, key1)
+            squares = 0.0
+            for i in range(start, stop):
+                before = to_float(target[i])
+                if stochastic:
+                    target[i] = round_stochastic(total[i - start], eps[i + shift], target)
+                else:
+                    target[i] = from_float(total[i - start], target)
+                change = np.float64(to_float(target[i])) - np.float64(before)  # exact in float64
+                squares += change * change
+            partials[t] = squares
+    squared = 0.0
+    for t in range(partials.size):
+        squared += partials[t]
+    return squared
+
+
 # ----------------------------------------------------------------------------------------------- host side
 
 # numba cannot hold 16-bit floats: their bits travel as integers, bfloat16 as uint16 and float16 as int16.
@@ -851,3 +958,101 @@ def lowrank_accumulate_(
     if rounding == "stochastic":
         return store_stochastic_(weight, updated, seed=seed, tensor_id=tensor_id)
     return weight.copy_(updated)
+
+
+# ------------------------------------------------------------------------------ multi-tensor ops (run tables)
+
+# Integer types of the storage's width: backups move raw bits.
+_BITS_VIEWS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@dataclass(frozen=True)
+class _KernelTable:
+    """What the multi-tensor kernels take from a run table: numpy views of its columns, the tensors' sizes, and
+    empty arrays that carry the element types (storage, and same-width integers for raw bits)."""
+
+    runs: np.ndarray
+    pointers: np.ndarray
+    numels: np.ndarray
+    ids: np.ndarray
+    like: np.ndarray
+    no_backup: np.ndarray
+
+
+# Built once per table (a table lives one step), dropped with it.
+_kernel_tables: weakref.WeakKeyDictionary[RunTable, _KernelTable] = weakref.WeakKeyDictionary()
+
+
+def _kernel_table(table: RunTable) -> _KernelTable:
+    """The kernels' view of `table`, checked once: its addresses are its tensors' and its rows lie inside them, so
+    the kernels never write outside a tensor or its backup."""
+    cached = _kernel_tables.get(table)
+    if cached is not None:
+        return cached
+    runs, pointers = table.runs.numpy(), table.pointers.numpy()
+    numels = np.array([t.numel() for t in table.tensors], dtype=np.int64)
+    if pointers.tolist() != [t.data_ptr() for t in table.tensors]:
+        raise ValueError("the run table's data pointers are not its tensors' (rebuild it with build_run_table)")
+    if runs.size:
+        tensor, start, stop, packed = runs[:, TENSOR], runs[:, START], runs[:, STOP], runs[:, BACKUP]
+        inside = (tensor >= 0) & (tensor < numels.size) & (start >= 0) & (start <= stop)
+        inside &= stop <= numels[np.clip(tensor, 0, numels.size - 1)]
+        inside &= (packed >= 0) & (packed + stop - start <= table.backup_numel)
+        if not inside.all():
+            raise ValueError("the run table has rows outside its tensors or its backup (rebuild it with build_run_table)")
+    bits = _BITS_VIEWS[table.dtype]
+    like = _kernel_array(table.tensors[0][:0])
+    cached = _KernelTable(runs, pointers, numels, table.ids.numpy(), like, torch.empty(0, dtype=bits).numpy())
+    _kernel_tables[table] = cached
+    return cached
+
+
+def _backup_bits(backup: torch.Tensor) -> np.ndarray:
+    return backup.view(_BITS_VIEWS[backup.dtype]).numpy()
+
+
+def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float, backup: torch.Tensor | None = None) -> None:
+    """Perturb every tensor of `table` on its subspace's chunks in one compiled call; with `backup`
+    (table.backup_numel elements of the table's dtype) first copy those chunks there, packed in row order."""
+    v.check_multi_perturb_args(table, seed=seed, member=member, sigma=sigma, backup=backup)
+    kernel_table = _kernel_table(table)
+    use_torch_threads()
+    _multi_perturb_kernel(
+        kernel_table.runs, kernel_table.pointers, kernel_table.numels, kernel_table.ids, kernel_table.like,
+        kernel_table.no_backup if backup is None else _backup_bits(backup), backup is not None, float(sigma),
+        int(member), *_key(seed),
+    )
+
+
+def multi_restore_(table: RunTable, backup: torch.Tensor) -> None:
+    """Write a `multi_perturb_` backup back into its chunks in one compiled call: the exact inverse, bit for bit."""
+    v.check_multi_backup(table, backup)
+    kernel_table = _kernel_table(table)
+    use_torch_threads()
+    _multi_restore_kernel(kernel_table.runs, kernel_table.pointers, kernel_table.numels, _backup_bits(backup))
+
+
+def multi_accumulate_(
+    table: RunTable,
+    *,
+    seed: int,
+    members: Sequence[int] | torch.Tensor,
+    coeffs: Sequence[float] | torch.Tensor,
+    member_subspaces: Sequence[int] | torch.Tensor,
+    rounding: str = "nearest",
+) -> torch.Tensor:
+    """Add the reward-weighted noise of `members` to every tensor of `table` (a table of every chunk) in one
+    compiled call, each run only the members of its own subspace; returns the squared L2 norm of the stored change
+    (float64 0-d)."""
+    members_h, coeffs_h, subspaces_h = v.check_multi_accumulate_args(
+        table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
+    )
+    kernel_table = _kernel_table(table)
+    order = torch.argsort(subspaces_h, stable=True)  # members of one subspace form one segment, in member order
+    use_torch_threads()
+    squared = _multi_accumulate_kernel(
+        kernel_table.runs, kernel_table.pointers, kernel_table.numels, kernel_table.ids, kernel_table.like,
+        subspaces_h[order].numpy(), members_h[order].numpy(), coeffs_h[order].numpy(), rounding == "stochastic",
+        *_key(seed),
+    )
+    return torch.tensor(squared, dtype=torch.float64)
