@@ -654,7 +654,8 @@ def _multi_accumulate_kernel(
                     target[i] = round_stochastic(total[i - start], eps[i + shift], target)
                 else:
                     target[i] = from_float(total[i - start], target)
-                change = np.float64(to_float(target[i])) - np.float64(before)  # exact in float64
+                # A float32 difference, squared in float64: the per-tensor path's norm (torch float32 subtraction).
+                change = np.float64(to_float(target[i]) - before)
                 squares += change * change
             partials[t] = squares
     squared = 0.0
