@@ -580,6 +580,14 @@ def _tensor_view(pointers, numels, tensor, like):
     return numba.carray(_pointer_to(pointers[tensor], like), numels[tensor])
 
 
+@numba.njit(inline="always", **JIT)
+def _copy(dst, dst_start, src, src_start, count):
+    """dst[dst_start + k] = src[src_start + k] for k < count (non-negative indices: the loop vectorises)."""
+    dst_run, src_run = dst[dst_start : dst_start + count], src[src_start : src_start + count]
+    for k in range(count):
+        dst_run[k] = src_run[k]
+
+
 @numba.njit(parallel=True, **JIT)
 def _multi_perturb_kernel(
     runs, pointers, numels, ids, like, backup, with_backup, sigma, member, key0, key1
@@ -595,9 +603,7 @@ def _multi_perturb_kernel(
         dst = _tensor_view(pointers, numels, tensor, like)
         if with_backup:
             dst_bits = _tensor_view(pointers, numels, tensor, backup)
-            packed_base = runs[row, 3] - runs[row, 1]
-            for i in range(start, stop):
-                backup[packed_base + i] = dst_bits[i]
+            _copy(backup, runs[row, 3] - runs[row, 1] + start, dst_bits, start, stop - start)
         first_block, blocks, shift = _tile_blocks(0, start, stop)
         eps = np.empty(4 * blocks, np.float32)
         _fill_normals(eps, first_block, blocks, member, _U64(ids[tensor]), key0, key1)
@@ -612,9 +618,7 @@ def _multi_restore_kernel(runs, pointers, numels, backup):
     for t in prange(tile_starts.size):
         start, stop, row = tile_starts[t], tile_stops[t], tile_rows[t]
         dst_bits = _tensor_view(pointers, numels, runs[row, 0], backup)
-        packed_base = runs[row, 3] - runs[row, 1]
-        for i in range(start, stop):
-            dst_bits[i] = backup[packed_base + i]
+        _copy(dst_bits, start, backup, runs[row, 3] - runs[row, 1] + start, stop - start)
 
 
 @numba.njit(parallel=True, **JIT)
