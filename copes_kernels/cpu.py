@@ -538,22 +538,37 @@ def _dot8(x, row, B, m, r, in_features):
     return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
 
+@numba.njit(inline="always", **JIT)
+def _correct_rows(out, x, A, B, row_slot, tokens, scale, job):
+    """out[row] += scale * (x[row] B_m) A_m^T in float32 for the rows of one job, m = row_slot[row // tokens]."""
+    rows, in_features, out_features, rank = out.shape[0], x.shape[1], out.shape[1], A.shape[2]
+    correction = np.empty(out_features, np.float32)
+    for row in range(job * _ROWS_PER_JOB, min((job + 1) * _ROWS_PER_JOB, rows)):
+        m = row_slot[row // tokens]
+        correction[:] = 0
+        for r in range(rank):
+            projected = _dot8(x, row, B, m, r, in_features)
+            for o in range(out_features):
+                correction[o] += projected * A[m, o, r]
+        for o in range(out_features):
+            out[row, o] = from_float(to_float(out[row, o]) + scale * correction[o], out)
+
+
 @numba.njit(parallel=True, **JIT)
 def _lowrank_correction_kernel(out, x, A, B, row_slot, tokens, scale):
-    """out[row] += scale * (x[row] B_m) A_m^T in float32, m = row_slot[row // tokens], one pass over out."""
-    rows, in_features, out_features, rank = out.shape[0], x.shape[1], out.shape[1], A.shape[2]
+    """The low-rank correction of every row, jobs spread over the thread pool."""
     scale = _F(scale)
-    for job in prange((rows + _ROWS_PER_JOB - 1) // _ROWS_PER_JOB):
-        correction = np.empty(out_features, np.float32)
-        for row in range(job * _ROWS_PER_JOB, min((job + 1) * _ROWS_PER_JOB, rows)):
-            m = row_slot[row // tokens]
-            correction[:] = 0
-            for r in range(rank):
-                projected = _dot8(x, row, B, m, r, in_features)
-                for o in range(out_features):
-                    correction[o] += projected * A[m, o, r]
-            for o in range(out_features):
-                out[row, o] = from_float(to_float(out[row, o]) + scale * correction[o], out)
+    for job in prange((out.shape[0] + _ROWS_PER_JOB - 1) // _ROWS_PER_JOB):
+        _correct_rows(out, x, A, B, row_slot, tokens, scale, job)
+
+
+@numba.njit(**JIT)
+def _lowrank_correction_serial(out, x, A, B, row_slot, tokens, scale):
+    """The same rows on the calling thread: a decode step's correction is a few microseconds of work, less than
+    starting the pool's parallel region."""
+    scale = _F(scale)
+    for job in range((out.shape[0] + _ROWS_PER_JOB - 1) // _ROWS_PER_JOB):
+        _correct_rows(out, x, A, B, row_slot, tokens, scale, job)
 
 
 # ------------------------------------------------------------------------- multi-tensor kernels (run tables)
@@ -923,8 +938,10 @@ def lowrank_linear(
         return out
     batch, out_features, in_features = x.shape[0], weight.shape[0], weight.shape[1]
     tokens = out.numel() // (batch * out_features)
-    use_torch_threads()
-    _lowrank_correction_kernel(
+    # One job of rows (a decode step on a small model) or one thread: no parallel region. Each row is computed
+    # the same way by either kernel, so the bits do not depend on the choice.
+    serial = out.numel() <= _ROWS_PER_JOB * out_features or use_torch_threads() == 1
+    (_lowrank_correction_serial if serial else _lowrank_correction_kernel)(
         _kernel_array(out).reshape(-1, out_features), _kernel_array(x.contiguous()).reshape(-1, in_features),
         A.contiguous().numpy(), B.contiguous().numpy(), row_member.contiguous().numpy(), tokens,
         float(sigma) / math.sqrt(rank),
