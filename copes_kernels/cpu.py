@@ -410,6 +410,20 @@ def _perturb_kernel(
             dst[i] = from_float(to_float(src[i]) + sigma * eps[i + shift], dst)
 
 
+@numba.njit(inline="always", **JIT)
+def _noise_sum(total, eps, target, start, stop, first_block, blocks, shift, members, coeffs, low, high, tensor_id,
+               key0, key1):
+    """total[i - start] = target[i] in float32 plus coeffs[j] * eps_(members[j])(i) for j in [low, high), the
+    noise of each member regenerated into the tile's buffer `eps`."""
+    for i in range(start, stop):
+        total[i - start] = to_float(target[i])
+    for j in range(low, high):
+        _fill_normals(eps, first_block, blocks, _U64(members[j]), tensor_id, key0, key1)
+        coeff = coeffs[j]
+        for i in range(start, stop):
+            total[i - start] += coeff * eps[i + shift]
+
+
 @numba.njit(parallel=True, **JIT)
 def _accumulate_kernel(
     target, chunk_owner, partitioned, chunk_size, member_owners, members, coeffs, offset, stochastic, tensor_id,
@@ -424,15 +438,9 @@ def _accumulate_kernel(
     for t in prange(tile_starts.size):
         start, stop, run = tile_starts[t], tile_stops[t], tile_runs[t]
         first_block, blocks, shift = _tile_blocks(offset, start, stop)
-        total = np.empty(stop - start, np.float32)
-        for i in range(start, stop):
-            total[i - start] = to_float(target[i])
-        eps = np.empty(4 * blocks, np.float32)
-        for j in range(run_lows[run], run_highs[run]):
-            _fill_normals(eps, first_block, blocks, _U64(members[j]), tensor_id, key0, key1)
-            coeff = coeffs[j]
-            for i in range(start, stop):
-                total[i - start] += coeff * eps[i + shift]
+        total, eps = np.empty(stop - start, np.float32), np.empty(4 * blocks, np.float32)
+        _noise_sum(total, eps, target, start, stop, first_block, blocks, shift, members, coeffs, run_lows[run],
+                   run_highs[run], tensor_id, key0, key1)
         if stochastic:
             _fill_uniforms(eps, first_block, blocks, _ROUNDING, tensor_id, key0, key1)
             for i in range(start, stop):
@@ -655,15 +663,9 @@ def _multi_accumulate_kernel(
             tensor_id = _U64(ids[tensor])
             target = _tensor_view(pointers, numels, tensor, like)
             first_block, blocks, shift = _tile_blocks(0, start, stop)
-            total = np.empty(stop - start, np.float32)
-            for i in range(start, stop):
-                total[i - start] = to_float(target[i])
-            eps = np.empty(4 * blocks, np.float32)
-            for j in range(low, high):
-                _fill_normals(eps, first_block, blocks, _U64(members[j]), tensor_id, key0, key1)
-                coeff = coeffs[j]
-                for i in range(start, stop):
-                    total[i - start] += coeff * eps[i + shift]
+            total, eps = np.empty(stop - start, np.float32), np.empty(4 * blocks, np.float32)
+            _noise_sum(total, eps, target, start, stop, first_block, blocks, shift, members, coeffs, low, high,
+                       tensor_id, key0, key1)
             if stochastic:
                 _fill_uniforms(eps, first_block, blocks, _ROUNDING, tensor_id, key0, key1)
             squares = 0.0
