@@ -440,7 +440,10 @@ class ParameterSpace:
                     table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces,
                     rounding=self._rounding(group_member),
                 ))
-                failpoint("update")  # crash tests: die with the update half applied
+                # Crash tests: die with the update half applied. One pass per tensor, as the per-tensor path makes,
+                # so a failpoint count names the same point of a run on either path.
+                for _ in table.tensors:
+                    failpoint("update")
             return math.sqrt(float(sum(s.to(squares[0].device) for s in squares))) if squares else 0.0  # one sync
 
         def add_noise_sum(index: int, param: TrainableParameter, offset: int, target: torch.Tensor) -> None:
