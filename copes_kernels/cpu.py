@@ -10,6 +10,9 @@ Same contract and signatures as `reference.py` (the oracle it is tested against)
               dst = src + sigma * eps with one cast at the store -- one pass over memory
     update  : per tile: load target once into float32, add each member of the tile's subspace (noise regenerated
               into the same buffer), store once (round to nearest even, or stochastic rounding)
+    multi   : multi_perturb_ / multi_restore_ / multi_accumulate_ cover every tensor of a run table in one call,
+              reaching each through the table's data address (numba.carray; the table is checked once against its
+              tensors and bounds), with the per-tensor kernels' tiles and arithmetic (the same bits)
 
 Tiles lie on a fixed grid of global element indices (tile t covers [t TILE, (t + 1) TILE) of the whole parameter,
 cut by chunk bounds), so which element a tile holds never depends on the thread count and the results are
