@@ -6,7 +6,9 @@ dispatched: on CPU the compiled backend (`copes_kernels/cpu.py`, the real CPU tr
 kernels; on CPU the torch/numpy `reference` (the test oracle) is timed too. Timing: pytest-benchmark on CPU,
 triton.testing.do_bench on CUDA.
 GB/s counts the bytes an op must move at least (the same count for both implementations), so the GB/s ratio is
-the speed-up. Prints a table and writes bench/results/kernels_<device>.csv.
+the speed-up. For the multi-tensor ops the `reference` twin loops over the per-tensor ops through the dispatcher
+(on CPU: the compiled per-tensor ops, i.e. the per-tensor path). Prints a table and writes
+bench/results/kernels_<device>.csv.
 
     python bench/bench_kernels.py                  # or: pytest bench/bench_kernels.py
 """
@@ -44,6 +46,10 @@ class Sizes:
     rank: int
 
 
+# The multi-tensor ops run one member (perturb + packed backup, then restore) over the parameter cut into this many
+# equal tensors (32K elements each on CPU: every tensor is one chunk, as most of a small model's are), so their
+# fixed cost per tensor shows.
+GROUP_TENSORS = 64
 # CPU: a ~2M-element fp32 parameter, the size profiled for the reference. GPU: a 64M-element bf16 parameter
 # (a 4B-model's MLP matrix) and a 4096-wide layer with 64 members.
 SIZES = {
@@ -122,6 +128,21 @@ def build_cases(sizes: Sizes) -> dict[str, Case]:
 
     factor_bytes = rows * (m + in_features) * rank * 4
 
+    group = list(x.view(GROUP_TENSORS, -1))
+    group_ids = [100 + k for k in range(GROUP_TENSORS)]
+    group_host = ck.make_partition([ck.num_chunks(t.numel(), ck.DEFAULT_CHUNK_SIZE) for t in group],
+                                   num_subspaces=SUBSPACES, seed=7)
+    group_table = ck.build_run_table(group, tensor_ids=group_ids, chunk_subspaces=[p.to(DEVICE) for p in group_host],
+                                     host_chunk_subspaces=group_host, subspace=0, num_subspaces=SUBSPACES)
+    group_backup = torch.empty(group_table.backup_numel, dtype=dtype, device=DEVICE)
+    owned = [(t, tensor_id) for t, tensor_id, part in zip(group, group_ids, group_host) if bool((part == 0).all())]
+
+    def naive_member() -> None:
+        for tensor, tensor_id in owned:
+            saved = tensor.clone()
+            tensor.add_(seeded_randn(tensor.numel(), seed=7, member=1, tensor_id=tensor_id), alpha=SIGMA)
+            tensor.copy_(saved)
+
     def engine(api: ModuleType) -> dict[str, Callable[[], object]]:
         """One call of each op through `api`: the public (dispatched) ops or the reference module."""
         return {
@@ -143,6 +164,10 @@ def build_cases(sizes: Sizes) -> dict[str, Case]:
             "lowrank_accumulate_": lambda: api.lowrank_accumulate_(
                 weight, A=A, B=B, coeffs=factor_coeffs, scale=SIGMA
             ),
+            "multi_perturb_+restore": lambda: (
+                api.multi_perturb_(group_table, seed=7, member=1, sigma=SIGMA, backup=group_backup),
+                api.multi_restore_(group_table, group_backup),
+            ),
         }
 
     naive = {
@@ -157,6 +182,7 @@ def build_cases(sizes: Sizes) -> dict[str, Case]:
         "lowrank_factors": lambda: [seeded_randn((m + in_features) * rank, member=j, **ids) for j in factor_members],
         "lowrank_linear": naive_lowrank_linear,
         "lowrank_accumulate_": naive_lowrank_accumulate,
+        "multi_perturb_+restore": naive_member,
     }
     apis = {"copes": engine(ck), "reference": engine(reference), "naive": naive}
     traffic = {  # (output elements, least bytes moved) per call
@@ -169,6 +195,8 @@ def build_cases(sizes: Sizes) -> dict[str, Case]:
         "lowrank_factors": (factor_bytes // 4, factor_bytes),
         "lowrank_linear": (rows * tokens * m, (rows * tokens * (in_features + m) + m * in_features) * element_size),
         "lowrank_accumulate_": (m * in_features, 2 * m * in_features * element_size),
+        # read w, write the backup and w; then read the backup, write w
+        "multi_perturb_+restore": (group_table.backup_numel, 5 * group_table.backup_numel * element_size),
     }
     return {
         op: Case(elements, moved, {impl: apis[impl][op] for impl in IMPLEMENTATIONS})
@@ -177,7 +205,7 @@ def build_cases(sizes: Sizes) -> dict[str, Case]:
 
 
 OPS = ("normal", "perturb_", "perturb_ subspace", "backup_chunks", "restore_chunks_", "accumulate_",
-       "lowrank_factors", "lowrank_linear", "lowrank_accumulate_")
+       "lowrank_factors", "lowrank_linear", "lowrank_accumulate_", "multi_perturb_+restore")
 
 
 def report(rows: list[Row], write_line: Callable[[str], None]) -> Path:

@@ -37,6 +37,7 @@ from copes.modeling import load_model
 from copes.strategies.eggroll import RowMembers
 
 GOAL_RATIO = 0.91
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 def prefill(model: PreTrainedModel, prompts: torch.Tensor) -> torch.Tensor:
@@ -57,7 +58,8 @@ def factor_seconds(strategy: copes.EGGROLL) -> float:
 
 
 def plain_and_population_seconds(
-    strategy: copes.EGGROLL, member_of_row: torch.Tensor, run: Callable[[], object], repeats: int
+    strategy: copes.EGGROLL, member_of_row: torch.Tensor, run: Callable[[], object], repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Best times of `run` as plain inference and with every batch row perturbed by its member's low-rank noise,
     the two alternating (inside one EGGROLL evaluation, where `row_members` is valid)."""
@@ -68,7 +70,7 @@ def plain_and_population_seconds(
             with row_members(member_of_row):
                 run()
 
-        best.update(alternating_best_seconds({"plain": run, "population": population}, repeats))
+        best.update(alternating_best_seconds({"plain": run, "population": population}, repeats, clock))
         return [0.0] * strategy.population
 
     strategy.evaluate(fitness)
@@ -77,7 +79,8 @@ def plain_and_population_seconds(
 
 
 def throughput_rows(name: str, model: PreTrainedModel, *, population: int, rows_per_member: int, prompt_tokens: int,
-                    new_tokens: int, rank: int, repeats: int) -> list[dict[str, Any]]:
+                    new_tokens: int, rank: int, repeats: int,
+                    clock: Callable[[], float] = time.perf_counter) -> list[dict[str, Any]]:
     """Prefill and generation rows for `model`: plain vs population throughput on the same token ids."""
     positions = model.config.max_position_embeddings
     if prompt_tokens + new_tokens > positions:
@@ -97,7 +100,7 @@ def throughput_rows(name: str, model: PreTrainedModel, *, population: int, rows_
     }
     results = []
     for workload, (run, tokens) in workloads.items():
-        best = plain_and_population_seconds(strategy, member_of_row, run, repeats)
+        best = plain_and_population_seconds(strategy, member_of_row, run, repeats, clock)
         plain, perturbed = best["plain"], best["population"]
         ratio = plain / perturbed
         results.append({
@@ -128,19 +131,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=1, help="EGGROLL rank r (paper: 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per measurement (the best is kept)")
     parser.add_argument("--skip-large", action="store_true", help="only the tiny model")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="wall time, or the calling thread's CPU time (one torch thread on a crowded machine)")
     add_large_model_arguments(parser)
     args = parser.parse_args(argv)
     pin_one_thread()
 
     sizes = {"rows_per_member": args.rows_per_member, "prompt_tokens": args.prompt_tokens,
-             "new_tokens": args.new_tokens, "rank": args.rank, "repeats": args.repeats}
+             "new_tokens": args.new_tokens, "rank": args.rank, "repeats": args.repeats, "clock": CLOCKS[args.clock]}
     tiny, _, _ = load_model(args.tiny_model, device=str(DEVICE))
     rows = throughput_rows("tiny", tiny, population=args.tiny_population, **sizes)
     if not args.skip_large:
         large = build_large_model(large_model_shape(args))
         rows += throughput_rows("large", large, population=args.large_population, **sizes)
     report("eggroll_throughput", rows,
-           f"EGGROLL rank-{args.rank} population forward vs plain batched inference ({machine_note()})")
+           f"EGGROLL rank-{args.rank} population forward vs plain batched inference, {args.clock} clock "
+           f"({machine_note()})")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ Update precision (applies to 16-bit parameters; float32 ones always update in pl
 and the chunk layout are those of the whole tensor): it bounds the transient memory (backups, staged masters,
 the update-norm snapshot) and gives bit-identical results for any slice size.
 
-Multi-tensor launches (`multi_tensor=True`, the default; used where the fused Triton kernels run): once per step
+Multi-tensor launches (`multi_tensor=True`, the default; used where the fused Triton kernels or the compiled CPU
+backend run): once per step
 the CPU-side partition becomes device-resident run tables, one per subspace and dtype group plus one of every
 chunk for the update (`copes_kernels.build_run_table`, one upload each). A member is then one perturb-and-backup
 launch and one restore launch per dtype group, and an update one accumulate launch per group with the norm
@@ -296,7 +297,8 @@ class ParameterSpace:
             return False
         if not update and self.restore_mode == "host":
             return False
-        return all(ck.backend_for(p.data.device) == "triton" for p in self.parameters)
+        # The compiled CPU backend (numba) has multi-tensor kernels too; the reference only loops per tensor.
+        return all(ck.backend_for(p.data.device) in ("triton", "cpu") for p in self.parameters)
 
     def _tables(self, partition: list[torch.Tensor], subspace: int | None) -> list[ck.RunTable]:
         """The run tables of `subspace` (every chunk when None), one per (device, dtype) group. A new partition
@@ -442,7 +444,10 @@ class ParameterSpace:
                     table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces,
                     rounding=self._rounding(group_member),
                 ))
-                failpoint("update")  # crash tests: die with the update half applied
+                # Crash tests: die with the update half applied. One pass per tensor, as the per-tensor path makes,
+                # so a failpoint count names the same point of a run on either path.
+                for _ in table.tensors:
+                    failpoint("update")
             return math.sqrt(float(sum(s.to(squares[0].device) for s in squares))) if squares else 0.0  # one sync
 
         def add_noise_sum(index: int, param: TrainableParameter, offset: int, target: torch.Tensor) -> None:

@@ -65,10 +65,30 @@ def _backend_choice(setting: str) -> str:
     return choice
 
 
+# os.environ.get of an unset variable costs microseconds (it raises and catches KeyError twice), and every op call
+# reads COPES_BACKEND: read CPython's underlying mapping directly where it exists.
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+_ENVIRON_KEY = os.environ.encodekey("COPES_BACKEND") if hasattr(os.environ, "encodekey") else None
+
+
+def _backend_setting() -> str:
+    if _ENVIRON_DATA is None or _ENVIRON_KEY is None:
+        return os.environ.get("COPES_BACKEND", "auto")
+    value = _ENVIRON_DATA.get(_ENVIRON_KEY)
+    return "auto" if value is None else os.environ.decodevalue(value)
+
+
 def backend_for(device: torch.device | str | None) -> str:
     """'triton', 'cpu' or 'reference' for data on `device`, honouring COPES_BACKEND."""
-    choice = _backend_choice(os.environ.get("COPES_BACKEND", "auto"))
+    return _backend(_backend_setting(), device)
+
+
+@functools.cache
+def _backend(setting: str, device: torch.device | str | None) -> str:
+    """backend_for's answer for a COPES_BACKEND value and a device (cached: every op call asks, and reading a
+    device's type costs as much as the rest of the dispatch)."""
     device_type = "cpu" if device is None else (device if isinstance(device, torch.device) else torch.device(device)).type
+    choice = _backend_choice(setting)
     if choice == "auto":
         if device_type == "cuda" and triton_available():
             return "triton"
@@ -78,7 +98,7 @@ def backend_for(device: torch.device | str | None) -> str:
     if choice == "cpu" and not numba_available():
         raise RuntimeError("COPES_BACKEND=cpu but numba is not installed (pip install numba)")
     if choice == "cpu" and device_type != "cpu":
-        raise ValueError(f"COPES_BACKEND=cpu runs on CPU tensors only, got data on {device}")
+        raise ValueError(f"COPES_BACKEND=cpu runs on CPU tensors only, got data on {device_type}")
     return choice
 
 
@@ -101,13 +121,15 @@ def _compiled_cpu_op(name: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(CPU_MODULE), name)
 
 
-def dispatched(name: str, device_of: Callable[..., torch.device | str | None]) -> Callable[..., Any]:
+def dispatched(
+    name: str, device_of: Callable[[tuple[Any, ...], dict[str, Any]], torch.device | str | None]
+) -> Callable[..., Any]:
     """The public op `name`: routes each call to the Triton launcher or the reference twin."""
     reference_op = getattr(reference, name)
 
     @functools.wraps(reference_op)
     def op(*args: Any, **kwargs: Any) -> Any:
-        device = device_of(*args, **kwargs)
+        device = device_of(args, kwargs)  # the packed arguments: unpacking them again costs a dict per call
         backend = backend_for(device)
         if backend == "reference":
             return reference_op(*args, **kwargs)
@@ -118,20 +140,22 @@ def dispatched(name: str, device_of: Callable[..., torch.device | str | None]) -
     return op
 
 
-def _first_tensor_device(first: torch.Tensor, *_: Any, **__: Any) -> torch.device:
+def _first_tensor_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    first = args[0] if args else None
     if not isinstance(first, torch.Tensor):
-        raise TypeError(f"expected a tensor as the first argument, got {type(first).__name__}")
+        raise TypeError(f"expected a tensor as the first (positional) argument, got {type(first).__name__}")
     return first.device
 
 
-def _table_device(table: Any, *_: Any, **__: Any) -> torch.device:
+def _table_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    table = args[0] if args else None
     if not hasattr(table, "runs"):
         raise TypeError(f"expected a copes_kernels.RunTable as the first argument, got {type(table).__name__}")
     return table.device
 
 
-def _device_keyword(*_: Any, device: torch.device | str | None = None, **__: Any) -> torch.device | str | None:
-    return device
+def _device_keyword(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | str | None:
+    return kwargs.get("device")
 
 
 philox4x32_10 = dispatched("philox4x32_10", _first_tensor_device)

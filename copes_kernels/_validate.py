@@ -176,18 +176,19 @@ def check_accumulate_args(
 
 def check_lowrank_factors(A: torch.Tensor, B: torch.Tensor, out_features: int, in_features: int) -> int:
     """Population factors A [P, m, r], B [P, n, r] (float32); returns the rank."""
-    for name, factor, rows in (("A", A, out_features), ("B", B, in_features)):
-        if factor.dim() != 3:
-            raise ValueError(f"{name} must be [population, {'out' if name == 'A' else 'in'}_features, rank], got {tuple(factor.shape)}")
-        if factor.shape[1] != rows:
-            raise ValueError(f"{name} has {factor.shape[1]} rows but the weight needs {rows}")
+    a_shape, b_shape = A.shape, B.shape
+    for name, factor, shape, rows in (("A", A, a_shape, out_features), ("B", B, b_shape, in_features)):
+        if len(shape) != 3:
+            raise ValueError(f"{name} must be [population, {'out' if name == 'A' else 'in'}_features, rank], got {tuple(shape)}")
+        if shape[1] != rows:
+            raise ValueError(f"{name} has {shape[1]} rows but the weight needs {rows}")
         if factor.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 (from lowrank_factors), got {factor.dtype}")
-    if A.shape[0] != B.shape[0] or A.shape[2] != B.shape[2]:
-        raise ValueError(f"A {tuple(A.shape)} and B {tuple(B.shape)} disagree on population or rank")
-    if A.shape[2] < 1:
+    if a_shape[0] != b_shape[0] or a_shape[2] != b_shape[2]:
+        raise ValueError(f"A {tuple(a_shape)} and B {tuple(b_shape)} disagree on population or rank")
+    if a_shape[2] < 1:
         raise ValueError("rank must be >= 1")
-    return int(A.shape[2])
+    return a_shape[2]
 
 
 def check_rank(rank: int) -> None:
@@ -218,15 +219,19 @@ def check_lowrank_linear_args(
 ) -> int:
     """Shapes, dtypes and devices of a batched population forward (and row_member's range unless `check_rows` is
     False: the one check that reads device data); returns the rank."""
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [out, in], got {tuple(weight.shape)}")
-    if x.dim() < 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x must be [batch, ..., {weight.shape[1]}], got {tuple(x.shape)}")
-    rank = check_lowrank_factors(A, B, weight.shape[0], weight.shape[1])
-    if row_member.dtype != torch.int64 or row_member.shape != (x.shape[0],):
-        raise ValueError(f"row_member must be int64 of shape ({x.shape[0]},), got {row_member.dtype} {tuple(row_member.shape)}")
-    for name, t in (("A", A), ("B", B), ("row_member", row_member), ("weight", weight)):
-        check_same_device(name, t, x, "x")
+    # Called once per linear layer per forward (every decode step): each check is one cheap comparison.
+    weight_shape, x_shape = weight.shape, x.shape
+    if len(weight_shape) != 2:
+        raise ValueError(f"weight must be 2-D [out, in], got {tuple(weight_shape)}")
+    if len(x_shape) < 2 or x_shape[-1] != weight_shape[1]:
+        raise ValueError(f"x must be [batch, ..., {weight_shape[1]}], got {tuple(x_shape)}")
+    rank = check_lowrank_factors(A, B, weight_shape[0], weight_shape[1])
+    if row_member.dtype != torch.int64 or row_member.shape != (x_shape[0],):
+        raise ValueError(f"row_member must be int64 of shape ({x_shape[0]},), got {row_member.dtype} {tuple(row_member.shape)}")
+    device = x.device
+    if not (A.device == device and B.device == device and row_member.device == device and weight.device == device):
+        for name, t in (("A", A), ("B", B), ("row_member", row_member), ("weight", weight)):
+            check_same_device(name, t, x, "x")
     if check_rows and row_member.numel() and (int(row_member.min()) < 0 or int(row_member.max()) >= A.shape[0]):
         raise ValueError(f"row_member values must index the population of {A.shape[0]}")
     check_finite("sigma", sigma)

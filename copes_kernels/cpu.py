@@ -10,6 +10,9 @@ Same contract and signatures as `reference.py` (the oracle it is tested against)
               dst = src + sigma * eps with one cast at the store -- one pass over memory
     update  : per tile: load target once into float32, add each member of the tile's subspace (noise regenerated
               into the same buffer), store once (round to nearest even, or stochastic rounding)
+    multi   : multi_perturb_ / multi_restore_ / multi_accumulate_ cover every tensor of a run table in one call,
+              reaching each through the table's data address (numba.carray; the table is checked once against its
+              tensors and bounds), with the per-tensor kernels' tiles and arithmetic (the same bits)
 
 Tiles lie on a fixed grid of global element indices (tile t covers [t TILE, (t + 1) TILE) of the whole parameter,
 cut by chunk bounds), so which element a tile holds never depends on the thread count and the results are
@@ -26,7 +29,9 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -38,9 +43,7 @@ from numba.extending import intrinsic, overload
 
 from copes_kernels import _validate as v
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE
-# The multi-tensor ops loop over the per-tensor ops through the dispatcher (their reference twins do exactly
-# that), so on CPU tensors every run of a table is one compiled per-tensor call.
-from copes_kernels.reference import multi_accumulate_, multi_perturb_, multi_restore_  # noqa: F401
+from copes_kernels.run_tables import BACKUP, START, STOP, TENSOR, RunTable
 from copes_kernels.rng import (
     MASK32,
     PHILOX_M0,
@@ -410,6 +413,20 @@ def _perturb_kernel(
             dst[i] = from_float(to_float(src[i]) + sigma * eps[i + shift], dst)
 
 
+@numba.njit(inline="always", **JIT)
+def _noise_sum(total, eps, target, start, stop, first_block, blocks, shift, members, coeffs, low, high, tensor_id,
+               key0, key1):
+    """total[i - start] = target[i] in float32 plus coeffs[j] * eps_(members[j])(i) for j in [low, high), the
+    noise of each member regenerated into the tile's buffer `eps`."""
+    for i in range(start, stop):
+        total[i - start] = to_float(target[i])
+    for j in range(low, high):
+        _fill_normals(eps, first_block, blocks, _U64(members[j]), tensor_id, key0, key1)
+        coeff = coeffs[j]
+        for i in range(start, stop):
+            total[i - start] += coeff * eps[i + shift]
+
+
 @numba.njit(parallel=True, **JIT)
 def _accumulate_kernel(
     target, chunk_owner, partitioned, chunk_size, member_owners, members, coeffs, offset, stochastic, tensor_id,
@@ -424,15 +441,9 @@ def _accumulate_kernel(
     for t in prange(tile_starts.size):
         start, stop, run = tile_starts[t], tile_stops[t], tile_runs[t]
         first_block, blocks, shift = _tile_blocks(offset, start, stop)
-        total = np.empty(stop - start, np.float32)
-        for i in range(start, stop):
-            total[i - start] = to_float(target[i])
-        eps = np.empty(4 * blocks, np.float32)
-        for j in range(run_lows[run], run_highs[run]):
-            _fill_normals(eps, first_block, blocks, _U64(members[j]), tensor_id, key0, key1)
-            coeff = coeffs[j]
-            for i in range(start, stop):
-                total[i - start] += coeff * eps[i + shift]
+        total, eps = np.empty(stop - start, np.float32), np.empty(4 * blocks, np.float32)
+        _noise_sum(total, eps, target, start, stop, first_block, blocks, shift, members, coeffs, run_lows[run],
+                   run_highs[run], tensor_id, key0, key1)
         if stochastic:
             _fill_uniforms(eps, first_block, blocks, _ROUNDING, tensor_id, key0, key1)
             for i in range(start, stop):
@@ -538,22 +549,143 @@ def _dot8(x, row, B, m, r, in_features):
     return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
 
+@numba.njit(inline="always", **JIT)
+def _correct_rows(out, x, A, B, row_slot, tokens, scale, job):
+    """out[row] += scale * (x[row] B_m) A_m^T in float32 for the rows of one job, m = row_slot[row // tokens]."""
+    rows, in_features, out_features, rank = out.shape[0], x.shape[1], out.shape[1], A.shape[2]
+    correction = np.empty(out_features, np.float32)
+    for row in range(job * _ROWS_PER_JOB, min((job + 1) * _ROWS_PER_JOB, rows)):
+        m = row_slot[row // tokens]
+        correction[:] = 0
+        for r in range(rank):
+            projected = _dot8(x, row, B, m, r, in_features)
+            for o in range(out_features):
+                correction[o] += projected * A[m, o, r]
+        for o in range(out_features):
+            out[row, o] = from_float(to_float(out[row, o]) + scale * correction[o], out)
+
+
 @numba.njit(parallel=True, **JIT)
 def _lowrank_correction_kernel(out, x, A, B, row_slot, tokens, scale):
-    """out[row] += scale * (x[row] B_m) A_m^T in float32, m = row_slot[row // tokens], one pass over out."""
-    rows, in_features, out_features, rank = out.shape[0], x.shape[1], out.shape[1], A.shape[2]
+    """The low-rank correction of every row, jobs spread over the thread pool."""
     scale = _F(scale)
-    for job in prange((rows + _ROWS_PER_JOB - 1) // _ROWS_PER_JOB):
-        correction = np.empty(out_features, np.float32)
-        for row in range(job * _ROWS_PER_JOB, min((job + 1) * _ROWS_PER_JOB, rows)):
-            m = row_slot[row // tokens]
-            correction[:] = 0
-            for r in range(rank):
-                projected = _dot8(x, row, B, m, r, in_features)
-                for o in range(out_features):
-                    correction[o] += projected * A[m, o, r]
-            for o in range(out_features):
-                out[row, o] = from_float(to_float(out[row, o]) + scale * correction[o], out)
+    for job in prange((out.shape[0] + _ROWS_PER_JOB - 1) // _ROWS_PER_JOB):
+        _correct_rows(out, x, A, B, row_slot, tokens, scale, job)
+
+
+@numba.njit(**JIT)
+def _lowrank_correction_serial(out, x, A, B, row_slot, tokens, scale):
+    """The same rows on the calling thread: a decode step's correction is a few microseconds of work, less than
+    starting the pool's parallel region."""
+    scale = _F(scale)
+    for job in range((out.shape[0] + _ROWS_PER_JOB - 1) // _ROWS_PER_JOB):
+        _correct_rows(out, x, A, B, row_slot, tokens, scale, job)
+
+
+# ------------------------------------------------------------------------- multi-tensor kernels (run tables)
+# A run table (run_tables.py) lists each tensor by its data address: the kernels view it with numba.carray, so one
+# call covers every tensor of a dtype group. Tiles cut the rows on each tensor's own grid of TILE elements.
+
+
+@intrinsic
+def _pointer_to(typingctx, address, like):
+    """An int64 data address -> a pointer to elements of `like`'s dtype (`like` only carries the type)."""
+    if not isinstance(address, types.Integer) or not isinstance(like, types.Array):
+        return None
+    pointer = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(address, like), codegen
+
+
+@numba.njit(inline="always", **JIT)
+def _tensor_view(pointers, numels, tensor, like):
+    """Tensor `tensor` of a run table as a 1-D array of `like`'s dtype (shared memory)."""
+    return numba.carray(_pointer_to(pointers[tensor], like), numels[tensor])
+
+
+@numba.njit(inline="always", **JIT)
+def _copy(dst, dst_start, src, src_start, count):
+    """dst[dst_start + k] = src[src_start + k] for k < count (non-negative indices: the loop vectorises)."""
+    dst_run, src_run = dst[dst_start : dst_start + count], src[src_start : src_start + count]
+    for k in range(count):
+        dst_run[k] = src_run[k]
+
+
+@numba.njit(parallel=True, **JIT)
+def _multi_perturb_kernel(
+    runs, pointers, numels, ids, like, backup, with_backup, sigma, member, key0, key1
+):
+    """Per run row (tensor, start, stop, backup offset, subspace): pack the row's bits into `backup` (when
+    `with_backup`; `backup` is a same-width integer array), then dst = dst + sigma * eps of that tensor."""
+    tile_starts, tile_stops, tile_rows = _tile_table(runs[:, 1], runs[:, 2], 0)
+    sigma, member = _F(sigma), _U64(member)
+    _, key0, key1 = _as_words(0, key0, key1)
+    for t in prange(tile_starts.size):
+        start, stop, row = tile_starts[t], tile_stops[t], tile_rows[t]
+        tensor = runs[row, 0]
+        dst = _tensor_view(pointers, numels, tensor, like)
+        if with_backup:
+            dst_bits = _tensor_view(pointers, numels, tensor, backup)
+            _copy(backup, runs[row, 3] - runs[row, 1] + start, dst_bits, start, stop - start)
+        first_block, blocks, shift = _tile_blocks(0, start, stop)
+        eps = np.empty(4 * blocks, np.float32)
+        _fill_normals(eps, first_block, blocks, member, _U64(ids[tensor]), key0, key1)
+        for i in range(start, stop):
+            dst[i] = from_float(to_float(dst[i]) + sigma * eps[i + shift], dst)
+
+
+@numba.njit(parallel=True, **JIT)
+def _multi_restore_kernel(runs, pointers, numels, backup):
+    """Per run row: write its packed bits back from `backup` (the inverse of the perturb kernel's copy)."""
+    tile_starts, tile_stops, tile_rows = _tile_table(runs[:, 1], runs[:, 2], 0)
+    for t in prange(tile_starts.size):
+        start, stop, row = tile_starts[t], tile_stops[t], tile_rows[t]
+        dst_bits = _tensor_view(pointers, numels, runs[row, 0], backup)
+        _copy(dst_bits, start, backup, runs[row, 3] - runs[row, 1] + start, stop - start)
+
+
+@numba.njit(parallel=True, **JIT)
+def _multi_accumulate_kernel(
+    runs, pointers, numels, ids, like, member_owners, members, coeffs, stochastic, key0, key1
+):
+    """Per run row: add the members of the row's subspace (members sorted by owner, `member_owners` ascending) in
+    one float32 tile, store once; rows of a subspace without members are neither read nor written. Returns the
+    float64 sum of squared stored changes, added over tiles in tile order (the same for any thread count)."""
+    tile_starts, tile_stops, tile_rows = _tile_table(runs[:, 1], runs[:, 2], 0)
+    partials = np.zeros(tile_starts.size, np.float64)
+    _, key0, key1 = _as_words(0, key0, key1)
+    for t in prange(tile_starts.size):
+        start, stop, row = tile_starts[t], tile_stops[t], tile_rows[t]
+        low = np.searchsorted(member_owners, runs[row, 4], side="left")
+        high = np.searchsorted(member_owners, runs[row, 4], side="right")
+        if high > low:
+            tensor = runs[row, 0]
+            tensor_id = _U64(ids[tensor])
+            target = _tensor_view(pointers, numels, tensor, like)
+            first_block, blocks, shift = _tile_blocks(0, start, stop)
+            total, eps = np.empty(stop - start, np.float32), np.empty(4 * blocks, np.float32)
+            _noise_sum(total, eps, target, start, stop, first_block, blocks, shift, members, coeffs, low, high,
+                       tensor_id, key0, key1)
+            if stochastic:
+                _fill_uniforms(eps, first_block, blocks, _ROUNDING, tensor_id, key0, key1)
+            squares = 0.0
+            for i in range(start, stop):
+                before = to_float(target[i])
+                if stochastic:
+                    target[i] = round_stochastic(total[i - start], eps[i + shift], target)
+                else:
+                    target[i] = from_float(total[i - start], target)
+                # A float32 difference, squared in float64: the per-tensor path's norm (torch float32 subtraction).
+                change = np.float64(to_float(target[i]) - before)
+                squares += change * change
+            partials[t] = squares
+    squared = 0.0
+    for t in range(partials.size):
+        squared += partials[t]
+    return squared
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -811,8 +943,10 @@ def lowrank_linear(
         return out
     batch, out_features, in_features = x.shape[0], weight.shape[0], weight.shape[1]
     tokens = out.numel() // (batch * out_features)
-    use_torch_threads()
-    _lowrank_correction_kernel(
+    # One job of rows (a decode step on a small model) or one thread: no parallel region. Each row is computed
+    # the same way by either kernel, so the bits do not depend on the choice.
+    serial = out.numel() <= _ROWS_PER_JOB * out_features or use_torch_threads() == 1
+    (_lowrank_correction_serial if serial else _lowrank_correction_kernel)(
         _kernel_array(out).reshape(-1, out_features), _kernel_array(x.contiguous()).reshape(-1, in_features),
         A.contiguous().numpy(), B.contiguous().numpy(), row_member.contiguous().numpy(), tokens,
         float(sigma) / math.sqrt(rank),
@@ -851,3 +985,101 @@ def lowrank_accumulate_(
     if rounding == "stochastic":
         return store_stochastic_(weight, updated, seed=seed, tensor_id=tensor_id)
     return weight.copy_(updated)
+
+
+# ------------------------------------------------------------------------------ multi-tensor ops (run tables)
+
+# Integer types of the storage's width: backups move raw bits.
+_BITS_VIEWS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@dataclass(frozen=True)
+class _KernelTable:
+    """What the multi-tensor kernels take from a run table: numpy views of its columns, the tensors' sizes, and
+    empty arrays that carry the element types (storage, and same-width integers for raw bits)."""
+
+    runs: np.ndarray
+    pointers: np.ndarray
+    numels: np.ndarray
+    ids: np.ndarray
+    like: np.ndarray
+    no_backup: np.ndarray
+
+
+# Built once per table (a table lives one step), dropped with it.
+_kernel_tables: weakref.WeakKeyDictionary[RunTable, _KernelTable] = weakref.WeakKeyDictionary()
+
+
+def _kernel_table(table: RunTable) -> _KernelTable:
+    """The kernels' view of `table`, checked once: its addresses are its tensors' and its rows lie inside them, so
+    the kernels never write outside a tensor or its backup."""
+    cached = _kernel_tables.get(table)
+    if cached is not None:
+        return cached
+    runs, pointers = table.runs.numpy(), table.pointers.numpy()
+    numels = np.array([t.numel() for t in table.tensors], dtype=np.int64)
+    if pointers.tolist() != [t.data_ptr() for t in table.tensors]:
+        raise ValueError("the run table's data pointers are not its tensors' (rebuild it with build_run_table)")
+    if runs.size:
+        tensor, start, stop, packed = runs[:, TENSOR], runs[:, START], runs[:, STOP], runs[:, BACKUP]
+        inside = (tensor >= 0) & (tensor < numels.size) & (start >= 0) & (start <= stop)
+        inside &= stop <= numels[np.clip(tensor, 0, numels.size - 1)]
+        inside &= (packed >= 0) & (packed + stop - start <= table.backup_numel)
+        if not inside.all():
+            raise ValueError("the run table has rows outside its tensors or its backup (rebuild it with build_run_table)")
+    bits = _BITS_VIEWS[table.dtype]
+    like = _kernel_array(table.tensors[0][:0])
+    cached = _KernelTable(runs, pointers, numels, table.ids.numpy(), like, torch.empty(0, dtype=bits).numpy())
+    _kernel_tables[table] = cached
+    return cached
+
+
+def _backup_bits(backup: torch.Tensor) -> np.ndarray:
+    return backup.view(_BITS_VIEWS[backup.dtype]).numpy()
+
+
+def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float, backup: torch.Tensor | None = None) -> None:
+    """Perturb every tensor of `table` on its subspace's chunks in one compiled call; with `backup`
+    (table.backup_numel elements of the table's dtype) first copy those chunks there, packed in row order."""
+    v.check_multi_perturb_args(table, seed=seed, member=member, sigma=sigma, backup=backup)
+    kernel_table = _kernel_table(table)
+    use_torch_threads()
+    _multi_perturb_kernel(
+        kernel_table.runs, kernel_table.pointers, kernel_table.numels, kernel_table.ids, kernel_table.like,
+        kernel_table.no_backup if backup is None else _backup_bits(backup), backup is not None, float(sigma),
+        int(member), *_key(seed),
+    )
+
+
+def multi_restore_(table: RunTable, backup: torch.Tensor) -> None:
+    """Write a `multi_perturb_` backup back into its chunks in one compiled call: the exact inverse, bit for bit."""
+    v.check_multi_backup(table, backup)
+    kernel_table = _kernel_table(table)
+    use_torch_threads()
+    _multi_restore_kernel(kernel_table.runs, kernel_table.pointers, kernel_table.numels, _backup_bits(backup))
+
+
+def multi_accumulate_(
+    table: RunTable,
+    *,
+    seed: int,
+    members: Sequence[int] | torch.Tensor,
+    coeffs: Sequence[float] | torch.Tensor,
+    member_subspaces: Sequence[int] | torch.Tensor,
+    rounding: str = "nearest",
+) -> torch.Tensor:
+    """Add the reward-weighted noise of `members` to every tensor of `table` (a table of every chunk) in one
+    compiled call, each run only the members of its own subspace; returns the squared L2 norm of the stored change
+    (float64 0-d)."""
+    members_h, coeffs_h, subspaces_h = v.check_multi_accumulate_args(
+        table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
+    )
+    kernel_table = _kernel_table(table)
+    order = torch.argsort(subspaces_h, stable=True)  # members of one subspace form one segment, in member order
+    use_torch_threads()
+    squared = _multi_accumulate_kernel(
+        kernel_table.runs, kernel_table.pointers, kernel_table.numels, kernel_table.ids, kernel_table.like,
+        subspaces_h[order].numpy(), members_h[order].numpy(), coeffs_h[order].numpy(), rounding == "stochastic",
+        *_key(seed),
+    )
+    return torch.tensor(squared, dtype=torch.float64)
