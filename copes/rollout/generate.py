@@ -79,15 +79,19 @@ def _adds_special_tokens(tokenizer: Any, prompts: Sequence[str]) -> bool:
     return not (bos and any(prompt.startswith(bos) for prompt in prompts))
 
 
-def prompt_token_counts(tokenizer: Any, prompts: Sequence[str]) -> list[int]:
-    """How many tokens each prompt occupies in the model's context, tokenized exactly as `generate_batch` does."""
+def prompt_token_ids(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
+    """Each prompt's tokens in the model's context, tokenized exactly as `generate_batch` does (no padding)."""
     if not prompts:
         return []
-    encoded = tokenizer(list(prompts), add_special_tokens=_adds_special_tokens(tokenizer, prompts))
-    return [len(ids) for ids in encoded["input_ids"]]
+    return tokenizer(list(prompts), add_special_tokens=_adds_special_tokens(tokenizer, prompts))["input_ids"]
 
 
-def _eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+def prompt_token_counts(tokenizer: Any, prompts: Sequence[str]) -> list[int]:
+    """How many tokens each prompt occupies in the model's context, tokenized exactly as `generate_batch` does."""
+    return [len(ids) for ids in prompt_token_ids(tokenizer, prompts)]
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """The model's own end tokens (e.g. Qwen's <|im_end|> and <|endoftext|>) plus the tokenizer's."""
     configured = getattr(model.generation_config, "eos_token_id", None)
     ids = configured if isinstance(configured, list) else [configured]
@@ -114,7 +118,7 @@ def _generation_config(
     )
 
 
-def _finish_row(
+def finish_row(
     tokenizer: Any, new_ids: list[int], limit: int, eos: set[int], pad: int, stop_strings: Sequence[str]
 ) -> Generation:
     new_ids = new_ids[:limit]
@@ -160,7 +164,7 @@ def _generate_chunk(
         )
     eos = set(config.eos_token_id)
     return [
-        _finish_row(tokenizer, row[width:].tolist(), limit, eos, config.pad_token_id, stop_strings)
+        finish_row(tokenizer, row[width:].tolist(), limit, eos, config.pad_token_id, stop_strings)
         for row, limit in zip(sequences.cpu(), limits)
     ]
 
@@ -197,7 +201,7 @@ def generate_batch(
     if not prompts:
         return []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = _eos_token_ids(model, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     size = batch_size or len(prompts)
     device = torch.device(model.device)
     accelerators = [device] if device.type != "cpu" else []  # the CPU generator is always forked

