@@ -24,6 +24,7 @@ before that and puts the real function back after, so `--cpu-threads` keeps work
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,27 @@ def _bind_views(hf_model: torch.nn.Module, views: dict[str, torch.Tensor], path:
         setattr(hf_model.get_submodule(module_name), leaf, bound[id(meta)])
 
 
+def _check_cpu_attention(config: Any) -> None:
+    """vLLM's CPU attention kernels exist for a few head sizes; any other fails at the first forward."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise UserError(f"vLLM's CPU attention supports head_dim {supported}; this model's is {head_dim} "
+                        "(use --rollout-engine hf)")
+
+
+def _shield_llvmlite_from_kernel_scan() -> None:
+    """vLLM's kernel registration (every LLM(...)) scans each module's globals and reads `vars(value)`.
+    llvmlite's library wrapper answers any attribute, `__dict__` included, with a ctypes function wrapper, and the
+    scan fails on it (`'_lib_fn_wrapper' object has no attribute 'get'`) once numba (our CPU kernels) is loaded.
+    Give the wrapper an empty `__dict__` answer, which is what it holds."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is not None:
+        ffi.lib._fntab["__dict__"] = {}
+
+
 class VLLMEngine:
     """A vLLM engine on the model folder `model`, and `self.model`: HF-named views of its weights."""
 
@@ -123,9 +145,12 @@ class VLLMEngine:
         self.device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.device)
         config = AutoConfig.from_pretrained(path)
+        if self.device.type == "cpu":
+            _check_cpu_attention(config)
         max_model_len = getattr(config, "max_position_embeddings", None)
         if max_context_tokens is not None:
             max_model_len = min(max_model_len or max_context_tokens, max_context_tokens)
+        _shield_llvmlite_from_kernel_scan()
         real_set_num_threads = torch.set_num_threads
         if self.device.type == "cpu" and cpu_threads:
             torch.set_num_threads(cpu_threads)
