@@ -10,7 +10,6 @@ weights; `start_rollout()` says the weights may have changed since the previous 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -24,19 +23,9 @@ class RolloutEngine(Protocol):
     def start_rollout(self) -> None:
         """A new rollout begins: the weights may differ from the previous rollout's."""
 
-    def generate(
-        self,
-        tokenizer: Any,
-        prompts: list[str],
-        *,
-        max_new_tokens: int | Sequence[int],
-        greedy: bool = True,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop_strings: Sequence[str] = (),
-        seed: int | None = None,
-    ) -> list[Generation]:
-        """Continue every prompt, results in prompt order (the contract of `generate_batch`)."""
+    def generate(self, tokenizer: Any, prompts: list[str], **options: Any) -> list[Generation]:
+        """Continue every prompt, results in prompt order: the contract and keyword options of `generate_batch`
+        (max_new_tokens, one or per row; greedy, temperature, top_p; stop_strings; seed)."""
 
 
 class HFEngine:

@@ -169,6 +169,21 @@ def _generate_chunk(
     ]
 
 
+def row_limits(rows: int, max_new_tokens: int | Sequence[int], *, greedy: bool, temperature: float,
+               top_p: float) -> list[int]:
+    """Each row's new-token limit, after the checks every engine makes of the decoding options."""
+    limits = [max_new_tokens] * rows if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(limits) != rows:
+        raise ValueError(f"max_new_tokens has {len(limits)} limits for {rows} prompts")
+    if any(limit < 1 for limit in limits):
+        raise ValueError(f"max_new_tokens must be >= 1, got {min(limits)}")
+    if not greedy and temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    return limits
+
+
 def generate_batch(
     model: Any,
     tokenizer: Any,
@@ -187,17 +202,9 @@ def generate_batch(
     `max_new_tokens` is one limit for all rows or one per prompt. `batch_size` caps the rows per `generate`
     call (None: all at once). `seed` makes sampling reproducible without disturbing the global RNG state.
     """
-    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(limits) != len(prompts):
-        raise ValueError(f"max_new_tokens has {len(limits)} limits for {len(prompts)} prompts")
-    if any(limit < 1 for limit in limits):
-        raise ValueError(f"max_new_tokens must be >= 1, got {min(limits)}")
+    limits = row_limits(len(prompts), max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p)
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
-    if not greedy and temperature <= 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if not prompts:
         return []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

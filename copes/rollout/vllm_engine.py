@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from copes.errors import UserError
 from copes.modeling import resolve_device, resolve_dtype, resolve_model_path
-from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids
+from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids, row_limits
 
 # The engine in this process, eager, and a compile cache that cannot outlive the linear-layer patch.
 for _name, _value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_DISABLE_COMPILE_CACHE", "1")):
@@ -180,23 +180,12 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
 
-    def generate(
-        self,
-        tokenizer: Any,
-        prompts: list[str],
-        *,
-        max_new_tokens: int | Sequence[int],
-        greedy: bool = True,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        stop_strings: Sequence[str] = (),
-        seed: int | None = None,
-    ) -> list[Generation]:
+    def generate(self, tokenizer: Any, prompts: list[str], *, max_new_tokens: int | Sequence[int], greedy: bool = True,
+                 temperature: float = 1.0, top_p: float = 1.0, stop_strings: Sequence[str] = (),
+                 seed: int | None = None) -> list[Generation]:
         """`generate_batch`'s contract on vLLM: the same prompt tokens, the same stop and EOS rules (each row is
         finished by `finish_row` from its token ids), per-row limits. Sampling draws vLLM's own random numbers."""
-        limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(limits) != len(prompts):
-            raise ValueError(f"max_new_tokens has {len(limits)} limits for {len(prompts)} prompts")
+        limits = row_limits(len(prompts), max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p)
         if not prompts:
             return []
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
