@@ -23,12 +23,15 @@ before that and puts the real function back after, so `--cpu-threads` keeps work
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -124,6 +127,17 @@ def _check_cpu_attention(config: Any) -> None:
                         "(use --rollout-engine hf)")
 
 
+@contextlib.contextmanager
+def _own_global_rngs() -> Iterator[None]:
+    """vLLM seeds Python's, numpy's and torch's global generators when it starts; in this process they are the
+    trainer's, so they come back as they were."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+
+
 def _shield_llvmlite_from_kernel_scan() -> None:
     """vLLM's kernel registration (every LLM(...)) scans each module's globals and reads `vars(value)`.
     llvmlite's library wrapper answers any attribute, `__dict__` included, with a ctypes function wrapper, and the
@@ -155,11 +169,12 @@ class VLLMEngine:
         if self.device.type == "cpu" and cpu_threads:
             torch.set_num_threads(cpu_threads)
         try:
-            self.llm = LLM(
-                str(path), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=True, seed=0,
-                max_model_len=max_model_len, kv_cache_memory_bytes=int(kv_cache_gib * GIB),
-                worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=True,
-            )
+            with _own_global_rngs():
+                self.llm = LLM(
+                    str(path), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=True, seed=0,
+                    max_model_len=max_model_len, kv_cache_memory_bytes=int(kv_cache_gib * GIB),
+                    worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=True,
+                )
         finally:
             torch.set_num_threads = real_set_num_threads
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
