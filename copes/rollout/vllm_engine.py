@@ -58,10 +58,6 @@ from copes.rollout.vllm_worker import WORKER_EXTENSION
 GIB = 1 << 30
 
 
-def _split_rows(tensor: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
-    return list(torch.split(tensor, list(sizes), dim=0))
-
-
 def hf_named_views(vllm_model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Views of `vllm_model`'s parameters under the names (and shapes) of the Hugging Face checkpoint."""
     packed = getattr(type(vllm_model), "packed_modules_mapping", {})
@@ -71,9 +67,9 @@ def hf_named_views(vllm_model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for param_name, param in module.named_parameters(recurse=False):
             data = param.data
             leaf = module_name.rsplit(".", 1)[-1]
-            if leaf in packed and data.dim() >= 1:
+            if leaf in packed:  # fused projections: consecutive row blocks, one per HF tensor
                 parent = module_name[: len(module_name) - len(leaf)]
-                for hf_leaf, part in zip(packed[leaf], _split_rows(data, module.output_sizes)):
+                for hf_leaf, part in zip(packed[leaf], torch.split(data, list(module.output_sizes), dim=0)):
                     views[f"{parent}{hf_leaf}.{param_name}"] = part
             elif hasattr(module, "org_vocab_size") and param_name == "weight":  # a padded vocabulary
                 views[f"{prefix}weight"] = data[: module.org_vocab_size]
