@@ -77,7 +77,7 @@ class TrainConfig:
     device: str = _opt("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
     rollout_engine: str = _opt("hf", "what generates rollouts: hf (Hugging Face generate, the reference) | vllm (the "
                                      "weights live in a vLLM engine and are perturbed in place there; pip install "
-                                     "-e '.[vllm]')", choices=ROLLOUT_ENGINES, algorithms=PER_MEMBER_ALGORITHMS)
+                                     "-e '.[vllm]')", choices=ROLLOUT_ENGINES)
     vllm_kv_cache_gib: float = _opt(1.0, "with --rollout-engine vllm: the engine's KV cache size in GiB",
                                     algorithms=PER_MEMBER_ALGORITHMS)
     cpu_threads: int = _opt(0, "torch intra-op threads on CPU (0: torch's default); tiny models run fastest on 1")
