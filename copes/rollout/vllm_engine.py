@@ -40,9 +40,10 @@ from copes.errors import UserError
 from copes.modeling import resolve_device, resolve_dtype, resolve_model_path
 from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids, row_limits
 
-# The engine in this process, eager, and a compile cache that cannot outlive the linear-layer patch.
-for _name, _value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_DISABLE_COMPILE_CACHE", "1")):
-    os.environ.setdefault(_name, _value)
+# The engine in this process (always: out of process the views would be copies that perturb nothing), and a
+# compile cache that cannot outlive the linear-layer patch.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
 
 try:
     from vllm import LLM, SamplingParams
