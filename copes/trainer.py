@@ -27,9 +27,10 @@ from copes.evaluation import evaluate
 from copes.failpoints import failpoint
 from copes.journal import JournalWriter, RunJournal, build_header, journal_path
 from copes.metrics import MetricsLog, PhaseTimer, log_table, peak_memory_bytes, plot_curves, start_wandb
-from copes.modeling import load_model, resolve_model_path
+from copes.modeling import resolve_model_path
 from copes.replay import replay_member, replays_members, resume_run
 from copes.rollout import AgentConfig
+from copes.rollout.engine import load_rollout_model
 from copes.samples import SAMPLES_FILE, RolloutSamples
 from copes.scoring import rollouts
 from copes.strategies.base import WHOLE_POPULATION
@@ -72,8 +73,12 @@ class Trainer:
         if not self.train_set:
             raise ConfigError(f"task {cfg.task} has no training examples")
         self.eval_set = self._eval_examples()
+        if self.dist and cfg.rollout_engine == "vllm":  # vLLM's in-process engine would join torchrun's world group
+            raise ConfigError("--rollout-engine vllm runs in one process; under torchrun use --rollout-engine hf")
         device = str(self.dist.device) if self.dist else cfg.device
-        self.model, self.tokenizer, self.device = load_model(cfg.model, device=device, dtype=cfg.dtype)
+        self.model, self.tokenizer, self.device = load_rollout_model(
+            cfg.model, engine=cfg.rollout_engine, device=device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
+            kv_cache_gib=cfg.vllm_kv_cache_gib, max_context_tokens=cfg.max_context_tokens)
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out,

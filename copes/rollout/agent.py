@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from copes.rollout.generate import Generation, generate_batch, prompt_token_counts
+from copes.rollout.engine import engine_for
+from copes.rollout.generate import Generation, prompt_token_counts
 from copes.rollout.templates import (
     TOOL_FORMATS,
     ParsedCall,
@@ -259,6 +260,8 @@ def run_agent(
     calls_made: list[Counter[str]] = [Counter() for _ in trajectories]
     row_context = row_context or (lambda indices: contextlib.nullcontext())
     max_turns = config.max_turns if chat else 1
+    engine = engine_for(model)
+    engine.start_rollout()
 
     for turn in range(max_turns):
         active = [index for index, trajectory in enumerate(trajectories) if trajectory.finished_by is None]
@@ -278,8 +281,7 @@ def run_agent(
         for start in range(0, len(ready), size):
             batch = ready[start : start + size]
             with row_context(batch):
-                outputs = generate_batch(
-                    model,
+                outputs = engine.generate(
                     tokenizer,
                     [trajectories[index].context for index in batch],
                     max_new_tokens=[limits[index] for index in batch],

@@ -79,15 +79,19 @@ def _adds_special_tokens(tokenizer: Any, prompts: Sequence[str]) -> bool:
     return not (bos and any(prompt.startswith(bos) for prompt in prompts))
 
 
-def prompt_token_counts(tokenizer: Any, prompts: Sequence[str]) -> list[int]:
-    """How many tokens each prompt occupies in the model's context, tokenized exactly as `generate_batch` does."""
+def prompt_token_ids(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
+    """Each prompt's tokens in the model's context, tokenized exactly as `generate_batch` does (no padding)."""
     if not prompts:
         return []
-    encoded = tokenizer(list(prompts), add_special_tokens=_adds_special_tokens(tokenizer, prompts))
-    return [len(ids) for ids in encoded["input_ids"]]
+    return tokenizer(list(prompts), add_special_tokens=_adds_special_tokens(tokenizer, prompts))["input_ids"]
 
 
-def _eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+def prompt_token_counts(tokenizer: Any, prompts: Sequence[str]) -> list[int]:
+    """How many tokens each prompt occupies in the model's context, tokenized exactly as `generate_batch` does."""
+    return [len(ids) for ids in prompt_token_ids(tokenizer, prompts)]
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """The model's own end tokens (e.g. Qwen's <|im_end|> and <|endoftext|>) plus the tokenizer's."""
     configured = getattr(model.generation_config, "eos_token_id", None)
     ids = configured if isinstance(configured, list) else [configured]
@@ -114,7 +118,7 @@ def _generation_config(
     )
 
 
-def _finish_row(
+def finish_row(
     tokenizer: Any, new_ids: list[int], limit: int, eos: set[int], pad: int, stop_strings: Sequence[str]
 ) -> Generation:
     new_ids = new_ids[:limit]
@@ -160,9 +164,24 @@ def _generate_chunk(
         )
     eos = set(config.eos_token_id)
     return [
-        _finish_row(tokenizer, row[width:].tolist(), limit, eos, config.pad_token_id, stop_strings)
+        finish_row(tokenizer, row[width:].tolist(), limit, eos, config.pad_token_id, stop_strings)
         for row, limit in zip(sequences.cpu(), limits)
     ]
+
+
+def row_limits(rows: int, max_new_tokens: int | Sequence[int], *, greedy: bool, temperature: float,
+               top_p: float) -> list[int]:
+    """Each row's new-token limit, after the checks every engine makes of the decoding options."""
+    limits = [max_new_tokens] * rows if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(limits) != rows:
+        raise ValueError(f"max_new_tokens has {len(limits)} limits for {rows} prompts")
+    if any(limit < 1 for limit in limits):
+        raise ValueError(f"max_new_tokens must be >= 1, got {min(limits)}")
+    if not greedy and temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    return limits
 
 
 def generate_batch(
@@ -183,21 +202,13 @@ def generate_batch(
     `max_new_tokens` is one limit for all rows or one per prompt. `batch_size` caps the rows per `generate`
     call (None: all at once). `seed` makes sampling reproducible without disturbing the global RNG state.
     """
-    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(limits) != len(prompts):
-        raise ValueError(f"max_new_tokens has {len(limits)} limits for {len(prompts)} prompts")
-    if any(limit < 1 for limit in limits):
-        raise ValueError(f"max_new_tokens must be >= 1, got {min(limits)}")
+    limits = row_limits(len(prompts), max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p)
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
-    if not greedy and temperature <= 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if not prompts:
         return []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = _eos_token_ids(model, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     size = batch_size or len(prompts)
     device = torch.device(model.device)
     accelerators = [device] if device.type != "cpu" else []  # the CPU generator is always forked

@@ -1,0 +1,141 @@
+"""Rollout engines side by side: Hugging Face `generate` vs vLLM (weights perturbed in place inside the engine).
+
+Same random ~100M-parameter Qwen3 model (built locally, saved once, loaded by both), same prompts, same lengths
+(every row generates exactly --new-tokens greedy tokens: EOS is ignored on both engines), same torch threads.
+Per dtype it reports, best of --repeats rounds after a warm-up round, the two engines alternating each round:
+
+  tokens/s     the prompt batch's generated tokens / seconds of one batched greedy generation
+  step s       one CoPES step (--population members, each: perturb, roll out the batch, restore; then the
+               update), and inside it the seconds of perturb + restore, which vLLM pays on its own storage
+
+The reward of a member is the mean id of its generated tokens: continuous, so every step really updates.
+
+    python bench/rollout_engines.py                  # fp32 and bf16, 64 prompts x 32 tokens, 1 thread
+    python bench/rollout_engines.py --threads 2 --dtypes float32
+
+Needs vLLM (pip install -e ".[vllm]", see the README). Writes results/rollout_engines_<device>.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from harness import alternating_best_seconds, machine_note, report
+from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+import copes
+from copes.modeling import EMBEDDED_MODEL_DIR, load_model
+from copes.rollout.engine import engine_for, load_rollout_model
+
+ModelShape = dict[str, int]
+# ~100M parameters in the decoder; the vocabulary is the embedded tiny tokenizer's (vLLM detokenizes with it).
+MODEL_SHAPE: ModelShape = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                               num_key_value_heads=2, head_dim=64)
+
+
+def build_model_folder(folder: Path, shape: ModelShape) -> int:
+    """A random Qwen3 with the embedded tokenizer, saved as a checkpoint folder; returns its parameter count."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    config = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def prompt_batch(prompts: int, length: int, vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(2, vocab_size, (prompts, length), generator=generator).tolist()
+
+
+def hf_rollout(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+    ids = torch.tensor(prompts)
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                              eos_token_id=model.generation_config.eos_token_id)
+    with torch.inference_mode():
+        sequences = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return sequences[:, ids.shape[1]:]
+
+
+def vllm_rollout(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = engine_for(model)
+    engine.start_rollout()
+    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0.0,
+                            detokenize=False)
+    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return torch.tensor([list(output.outputs[0].token_ids) for output in outputs])
+
+
+Rollout = Callable[[torch.nn.Module, list[list[int]], int], torch.Tensor]
+
+
+def copes_step(model: torch.nn.Module, rollout: Rollout, prompts: list[list[int]], new_tokens: int,
+               population: int, phases: dict[str, float]) -> None:
+    """One CoPES step on `model`; adds its perturb + restore seconds to `phases`."""
+    es = copes.CoPES(model, population=population, num_subspaces=2, sigma=1e-3, lr=5e-4, seed=0)
+    stats = es.step(lambda m: rollout(m, prompts, new_tokens).float().mean().item())
+    phases["perturb_restore"] = min(phases.get("perturb_restore", float("inf")),
+                                    stats.perturb_seconds + stats.restore_seconds)
+
+
+def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int) -> list[dict[str, object]]:
+    hf_model, _, _ = load_model(str(folder), device="cpu", dtype=dtype)
+    views, _, _ = load_rollout_model(str(folder), engine="vllm", device="cpu", dtype=dtype, cpu_threads=args.threads,
+                                     kv_cache_gib=args.kv_cache_gib)
+    torch.set_num_threads(args.threads)
+    prompts = prompt_batch(args.prompts, args.prompt_tokens, vocab_size)
+    engines = {"hf": (hf_model, hf_rollout), "vllm": (views, vllm_rollout)}
+    generate = alternating_best_seconds(
+        {name: (lambda m=m, r=r: r(m, prompts, args.new_tokens)) for name, (m, r) in engines.items()}, args.repeats)
+    phases: dict[str, dict[str, float]] = {name: {} for name in engines}
+    step = alternating_best_seconds(
+        {name: (lambda m=m, r=r, p=phases[name]: copes_step(m, r, prompts, args.new_tokens, args.population, p))
+         for name, (m, r) in engines.items()}, args.repeats)
+    tokens = args.prompts * args.new_tokens
+    rows = []
+    for name in engines:
+        rows.append({
+            "dtype": dtype, "engine": name, "threads": args.threads, "prompts": args.prompts,
+            "new_tokens": args.new_tokens, "tokens_per_s": tokens / generate[name],
+            "vs_hf_tokens": generate["hf"] / generate[name], "step_s": step[name],
+            "vs_hf_step": step["hf"] / step[name], "perturb_restore_s": phases[name]["perturb_restore"],
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt")
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    parser.add_argument("--population", type=int, default=2, help="members of the timed CoPES step (K=2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for both engines")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best kept) after one warm-up")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.5, help="the vLLM engine's KV cache")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        parameters = build_model_folder(Path(folder), MODEL_SHAPE)
+        vocab_size = Qwen3Config.from_pretrained(folder).vocab_size
+        rows = [row for dtype in args.dtypes for row in measure(Path(folder), dtype, args, vocab_size)]
+    report("rollout_engines", rows, f"hf vs vllm rollouts, random Qwen3 of {parameters / 1e6:.1f}M parameters; "
+                                    f"{machine_note()}; {time.perf_counter() - started:.0f}s")
+
+
+if __name__ == "__main__":  # vLLM may start worker processes: keep module import side-effect free
+    main()

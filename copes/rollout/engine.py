@@ -1,0 +1,72 @@
+"""Rollout engines: what generates a batch of chat turns (stop strings, per-row token limits) into `Generation`s.
+
+    hf    Hugging Face `generate` on the model the trainer holds (the default and the reference)
+    vllm  a vLLM engine that owns the weights; the trainer holds HF-named views of them (copes.rollout.vllm_engine)
+
+Everything above (the agent loop, tools, rewards, evaluation, the strategies) is unchanged: it passes `model`
+around as before, and `engine_for(model)` finds the engine that generates for it. A rollout runs under one set of
+weights; `start_rollout()` says the weights may have changed since the previous one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from copes.choices import ROLLOUT_ENGINES
+from copes.modeling import load_model
+from copes.rollout.generate import Generation, generate_batch
+
+
+class RolloutEngine(Protocol):
+    def start_rollout(self) -> None:
+        """A new rollout begins: the weights may differ from the previous rollout's."""
+
+    def generate(self, tokenizer: Any, prompts: list[str], **options: Any) -> list[Generation]:
+        """Continue every prompt, results in prompt order: the contract and keyword options of `generate_batch`
+        (max_new_tokens, one or per row; greedy, temperature, top_p; stop_strings; seed)."""
+
+
+class HFEngine:
+    """Hugging Face `generate` on `model` (any object `generate_batch` accepts)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def start_rollout(self) -> None:
+        """`generate` keeps no state between calls."""
+
+    def generate(self, tokenizer: Any, prompts: list[str], **options: Any) -> list[Generation]:
+        return generate_batch(self.model, tokenizer, prompts, **options)
+
+
+# The attribute naming a model's engine: the model and its engine are one object graph, collected together.
+_ENGINE_ATTRIBUTE = "_copes_rollout_engine"
+
+
+def attach_engine(model: Any, engine: RolloutEngine) -> None:
+    setattr(model, _ENGINE_ATTRIBUTE, engine)
+
+
+def engine_for(model: Any) -> RolloutEngine:
+    """The engine attached to `model`; a model without one generates through Hugging Face `generate`."""
+    return getattr(model, _ENGINE_ATTRIBUTE, None) or HFEngine(model)
+
+
+def load_rollout_model(
+    model: str, *, engine: str = "hf", device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
+    kv_cache_gib: float = 1.0, max_context_tokens: int | None = None,
+) -> tuple[torch.nn.Module, Any, torch.device]:
+    """(model, tokenizer, device) as `load_model` gives them; with engine="vllm" the model's parameters are views
+    of the vLLM engine's weights and its rollouts run in that engine."""
+    if engine == "hf":
+        return load_model(model, device=device, dtype=dtype)
+    if engine != "vllm":
+        raise ValueError(f"engine must be one of {ROLLOUT_ENGINES}, got {engine!r}")
+    from copes.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
+
+    vllm_engine = VLLMEngine(model, device=device, dtype=dtype, cpu_threads=cpu_threads, kv_cache_gib=kv_cache_gib,
+                             max_context_tokens=max_context_tokens)
+    attach_engine(vllm_engine.model, vllm_engine)
+    return vllm_engine.model, vllm_engine.tokenizer, vllm_engine.device

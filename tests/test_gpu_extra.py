@@ -1,0 +1,51 @@
+"""The [gpu] extra: a Qwen3.5-family model on CUDA without fla-core / causal-conv1d warns once (transformers would
+run its gated delta-net layers through the slow torch fallback). Decided from the device type, so it runs on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import pytest
+
+from copes import extras
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(extras, "_warned_gpu_kernels", set())
+
+
+def installed(monkeypatch: pytest.MonkeyPatch, modules: set[str]) -> None:
+    """Pretend exactly `modules` of the [gpu] extra are installed."""
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args):
+        if name in extras.GPU_KERNELS:
+            return object() if name in modules else None
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_only_linear_attention_models_on_cuda_need_the_gpu_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed(monkeypatch, set())
+    assert extras.missing_gpu_kernels("qwen3_5_text", "cuda") == ["fla-core", "causal-conv1d"]
+    assert extras.missing_gpu_kernels("qwen3_next", "cuda") == ["fla-core", "causal-conv1d"]
+    assert extras.missing_gpu_kernels("qwen3_5_text", "cpu") == []
+    assert extras.missing_gpu_kernels("qwen3", "cuda") == []
+    installed(monkeypatch, {"fla"})
+    assert extras.missing_gpu_kernels("qwen3_5", "cuda") == ["causal-conv1d"]
+    installed(monkeypatch, {"fla", "causal_conv1d"})
+    assert extras.missing_gpu_kernels("qwen3_5", "cuda") == []
+
+
+def test_the_warning_names_the_extra_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed(monkeypatch, set())
+    with pytest.warns(UserWarning, match=r"fla-core, causal-conv1d not installed \(pip install 'copes\[gpu\]'\)"):
+        extras.warn_missing_gpu_kernels("qwen3_5_text", "cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        extras.warn_missing_gpu_kernels("qwen3_5_text", "cuda")  # once per model type
+        extras.warn_missing_gpu_kernels("qwen3_5_text", "cpu")
+        extras.warn_missing_gpu_kernels("qwen3", "cuda")

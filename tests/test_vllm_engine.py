@@ -1,0 +1,181 @@
+"""vLLM as the rollout engine (copes.rollout.vllm_engine): the weights live inside the engine and ES writes them
+in place through HF-named views. Against the Hugging Face engine (the reference), on real tiny models:
+
+- the views are the HF model's tensors bit for bit, after the same member's perturbation, after every restore
+  mode, and after an update in every update precision;
+- the engine generates what HF generates on the same weights, perturbed ones included, for a prompt longer than
+  one KV block (no stale prefix cache);
+- `copes-run --rollout-engine vllm` trains the embedded model for 3 steps and resumes, and with fp32 greedy it
+  ends with the weights and held-out accuracy of the same run on HF.
+
+The whole module skips, with the reason, where vLLM is not installed (pip install -e ".[vllm]", see the README).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]'; see the README)")
+
+from cli_runs import assert_same_weights, copes_run, final_weights, metrics_without_time  # noqa: E402
+from tiny_models import build_tiny_tokenizer, tiny_qwen3  # noqa: E402
+
+from copes.errors import UserError  # noqa: E402
+from copes.modeling import load_model  # noqa: E402
+from copes.params import ParameterSpace  # noqa: E402
+from copes.rollout.engine import engine_for, load_rollout_model  # noqa: E402
+from copes.rollout.generate import generate_batch, prompt_token_counts  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+KV_CACHE_GIB = 0.0625  # 8K tokens of the tiny models: explicit, and small on a shared machine
+CPU_KV_BLOCK = 128  # vLLM's KV block on CPU: prefix caching reuses whole blocks
+PROMPTS = ["What is 12 plus 7?", "Name a prime number.", "Spell the word cat backwards.", "Count: one, two,"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Qwen3 with vLLM-CPU's smallest head size (32) and room for a several-block prompt."""
+    folder = tmp_path_factory.mktemp("vllm-model")
+    tokenizer = build_tiny_tokenizer(folder)
+    tiny_qwen3(tokenizer, seed=0, head_dim=32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def engine_and_reference(model_dir: Path, dtype: str) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+    views, tokenizer, _ = load_rollout_model(str(model_dir), engine="vllm", dtype=dtype, cpu_threads=1,
+                                             kv_cache_gib=KV_CACHE_GIB)
+    reference, _, _ = load_model(str(model_dir), dtype=dtype)
+    return views, reference, tokenizer
+
+
+@pytest.fixture(scope="module")
+def fp32(model_dir: Path) -> Iterator[tuple[torch.nn.Module, torch.nn.Module, object]]:
+    yield engine_and_reference(model_dir, "float32")
+
+
+def assert_same_tensors(views: torch.nn.Module, reference: torch.nn.Module) -> None:
+    ours, theirs = dict(views.named_parameters()), dict(reference.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor.view(-1).view(torch.uint8), theirs[name].view(-1).view(torch.uint8)), name
+
+
+def spaces(views: torch.nn.Module, reference: torch.nn.Module, **options) -> list[ParameterSpace]:
+    return [ParameterSpace(model, chunk_size=1000, **options) for model in (views, reference)]
+
+
+def test_views_are_the_hf_tensors_with_hf_names(fp32) -> None:
+    views, reference, _ = fp32
+    assert_same_tensors(views, reference)
+    vllm_model = engine_for(views).llm.collective_rpc("copes_model")[0]
+    storage = {tensor.untyped_storage().data_ptr() for tensor in vllm_model.parameters()}
+    # No second copy: every HF-named parameter lies in vLLM's own storage.
+    assert all(param.untyped_storage().data_ptr() in storage for param in views.parameters())
+
+
+@pytest.mark.parametrize("restore", ["device", "host", "subtract"])
+def test_perturb_and_restore_match_hf_bitwise(fp32, restore: str) -> None:
+    views, reference, _ = fp32
+    before = {name: tensor.clone() for name, tensor in reference.named_parameters()}
+    engine_space, reference_space = spaces(views, reference, restore=restore)
+    for space in (engine_space, reference_space):
+        partition = space.partition(seed=123, num_subspaces=2)
+        space.perturb(partition, seed=123, member=3, subspace=1, sigma=0.05)
+    assert any(not torch.equal(before[name], tensor) for name, tensor in reference.named_parameters())
+    assert_same_tensors(views, reference)
+    engine_space.restore()
+    reference_space.restore()
+    assert_same_tensors(views, reference)
+    if restore != "subtract":
+        assert all(torch.equal(before[name], tensor) for name, tensor in reference.named_parameters())
+    else:  # subtract leaves its rounding in both; put the exact weights back for the next test
+        with torch.no_grad():
+            for model in (views, reference):
+                for name, tensor in model.named_parameters():
+                    tensor.copy_(before[name])
+
+
+def test_perturbed_long_prompt_generates_as_hf_without_stale_prefix_cache(fp32) -> None:
+    """Prompts longer than one KV block: the first rollout fills the prefix cache under the base weights, the
+    second runs under a perturbation and must not reuse that KV."""
+    views, reference, tokenizer = fp32
+    long_prompts = [" ".join([prompt] * 30) for prompt in PROMPTS]
+    assert min(prompt_token_counts(tokenizer, long_prompts)) > CPU_KV_BLOCK
+    engine = engine_for(views)
+    engine.start_rollout()
+    base = engine.generate(tokenizer, long_prompts, max_new_tokens=12)
+    assert base == generate_batch(reference, tokenizer, long_prompts, max_new_tokens=12)
+    engine_space, reference_space = spaces(views, reference)
+    for space in (engine_space, reference_space):
+        space.perturb(space.partition(seed=5, num_subspaces=1), seed=5, member=0, subspace=0, sigma=0.2)
+    try:
+        engine.start_rollout()
+        perturbed = engine.generate(tokenizer, long_prompts, max_new_tokens=12)
+        assert perturbed == generate_batch(reference, tokenizer, long_prompts, max_new_tokens=12)
+        assert perturbed != base  # the perturbation changed the output: the test can see stale KV
+    finally:
+        engine_space.restore()
+        reference_space.restore()
+
+
+def test_stop_strings_and_row_limits_match_hf(fp32) -> None:
+    views, reference, tokenizer = fp32
+    free = generate_batch(reference, tokenizer, PROMPTS, max_new_tokens=16)
+    # Strings that occur in the free outputs (whole characters: a stop string is text, not a byte fragment).
+    stops = sorted({g.text[2:4] for g in free if len(g.text) >= 4 and g.text[2:4].isascii()})[:2]
+    assert stops
+    limits = [16, 3, 9, 1]
+    options = dict(max_new_tokens=limits, stop_strings=stops)
+    engine_for(views).start_rollout()
+    ours = engine_for(views).generate(tokenizer, PROMPTS, **options)
+    assert ours == generate_batch(reference, tokenizer, PROMPTS, **options)
+    assert {g.finished_by for g in ours} >= {"stop", "length"}
+
+
+@pytest.mark.slow
+def test_updates_in_every_precision_match_hf_bitwise(model_dir: Path) -> None:
+    views, reference, _ = engine_and_reference(model_dir, "bfloat16")
+    for precision in ("native", "stochastic", "master_device", "master_host"):
+        engine_space, reference_space = spaces(views, reference, update_precision=precision)
+        norms = []
+        for space in (engine_space, reference_space):
+            partition = space.partition(seed=9, num_subspaces=2)
+            space.perturb(partition, seed=9, member=1, subspace=0, sigma=0.01)
+            space.restore()
+            norms.append(space.apply_update(partition, seed=9, members=[0, 1, 2, 3], coeffs=[0.02, -0.01, 0.005, 0.01],
+                                            member_subspaces=[0, 1, 0, 1]))
+        assert norms[0] == norms[1] > 0, precision
+        assert_same_tensors(views, reference)
+
+
+def test_unsupported_head_size_is_one_clear_error(tmp_path: Path) -> None:
+    tokenizer = build_tiny_tokenizer(tmp_path)
+    tiny_qwen3(tokenizer, head_dim=16).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(UserError, match=r"CPU attention supports head_dim .*this model's is 16"):
+        load_rollout_model(str(tmp_path), engine="vllm", kv_cache_gib=KV_CACHE_GIB)
+
+
+@pytest.mark.slow
+def test_copes_run_on_vllm_resumes_and_matches_hf(tmp_path: Path) -> None:
+    """fp32 greedy: 3 steps on vLLM, resumed to 4, end where 4 steps on HF end, bit for bit."""
+    on_vllm, on_hf = tmp_path / "vllm", tmp_path / "hf"
+    vllm_flags = ["--rollout-engine", "vllm", "--vllm-kv-cache-gib", str(KV_CACHE_GIB), "--output-dir", str(on_vllm)]
+    first = copes_run("--steps", "3", *vllm_flags, timeout=600)
+    assert first.returncode == 0, first.stderr
+    resumed = copes_run("--steps", "4", *vllm_flags, "--resume", str(on_vllm), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    reference = copes_run("--steps", "4", "--output-dir", str(on_hf))
+    assert reference.returncode == 0, reference.stderr
+    assert_same_weights(final_weights(on_vllm), final_weights(on_hf))
+    assert metrics_without_time(on_vllm) == metrics_without_time(on_hf)
+    assert any(record["update_norm"] > 0 for record in metrics_without_time(on_hf))
+    ours, theirs = (json.loads((run / "summary.json").read_text()) for run in (on_vllm, on_hf))
+    assert (ours["eval_before"], ours["eval_after"]) == (theirs["eval_before"], theirs["eval_after"])
