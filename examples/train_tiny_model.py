@@ -54,7 +54,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) ->
         num_hidden_layers=args.num_layers,
         num_attention_heads=args.num_heads,
         num_key_value_heads=args.num_heads,
-        head_dim=args.hidden_size // args.num_heads,
+        head_dim=args.head_dim,
         max_position_embeddings=64,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
@@ -111,7 +111,8 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--intermediate-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32, help="vLLM's CPU attention needs head_dim >= 32")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--warmup-steps", type=int, default=100)
