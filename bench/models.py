@@ -107,8 +107,9 @@ def preset_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def train_config(model: str, flags: dict[str, Any]) -> TrainConfig:
-    """A validated TrainConfig: the model's preset (if it ships one) under `flags`, as copes-run layers them."""
-    preset = read_preset(model)
+    """A validated TrainConfig: the model's preset for the flags' algorithm (if it ships one) under `flags`, as
+    copes-run layers them."""
+    preset = read_preset(model, flags.get("algorithm"))
     return build_config(read_yaml(preset) if preset else {}, {"model": model, **flags})
 
 

@@ -3,8 +3,11 @@ EGGROLL at an equal wall-clock training budget, and the memory of one GRPO updat
 
 Race. Every method starts from the embedded tiny model on the arithmetic task, gets the same reward function (the
 task's own `score`), the same held-out set (the first `--eval-size` validation problems, greedy, through the
-trainer's `held_out`) and the same training budget in seconds, measured on one torch thread with the clock paused
-while held-out accuracy is measured (so evaluations cost no method its budget). ES methods run their presets
+trainer's `held_out`) and the same training budget in CPU seconds of the run's own process (`time.process_time`),
+with the clock paused while held-out accuracy is measured (so evaluations cost no method its budget). Each run has
+one torch thread, so on an idle core its CPU seconds equal wall seconds; on a shared machine wall seconds also count
+the time the run waited for a core, which would make the budget unfair between runs, so the wall seconds are only
+recorded beside the CPU ones (the CSV's `wall_seconds` column). ES methods run their presets
 through the trainer's own step (`Trainer.population_step`); GRPO runs TRL with a callback that keeps the same clock.
 GRPO's learning rate is swept on the first seed; the best one then runs every seed. The share of GRPO's gain is
 each method's mean held-out gain over GRPO's (best lr) mean gain.
@@ -18,6 +21,7 @@ would add, are not counted.
     pip install -e ".[bench]"        # TRL
     python bench/vs_grpo.py [--budget-s 150] [--seeds 3] [--grpo-lrs 1e-4 3e-4 1e-3] [--workers 2]
     python bench/vs_grpo.py --part memory --lengths 256 1024 4096 16384
+    python bench/vs_grpo.py --part race --methods EGGROLL --seeds 1 --budget-s 60 --set population=256 --name screen
 """
 
 from __future__ import annotations
@@ -38,16 +42,16 @@ from memory_probe import PeakMemory
 from models import train_config
 
 GRPO = "GRPO (TRL)"
-# Each ES method as the trainer runs it: the tiny model's preset (copes/assets/tiny/copes.yaml) under these flags.
+# Each ES method as `copes-run --algorithm X` runs it: the tiny model's preset for X (copes/assets/tiny/copes.yaml,
+# or copes.X.yaml where X has its own), standard ES being CoPES's preset with K=1.
 ES_METHODS: dict[str, dict[str, Any]] = {
-    "CoPES K=4": {"algorithm": "copes", "subspaces": 4},
+    "CoPES": {"algorithm": "copes"},
     "ES (K=1)": {"algorithm": "es"},
-    "EGGROLL r=1": {"algorithm": "eggroll", "rank": 1},
+    "EGGROLL": {"algorithm": "eggroll"},
 }
 # GRPO as the issue's reference run: 8 completions per prompt, 16 prompts per step, temperature 1, no KL term.
 GRPO_GENERATIONS = 8
 GRPO_PROMPTS_PER_STEP = 16
-PLOT_NAME = "vs_grpo.png"
 MEMORY_PLOT_NAME = "vs_grpo_memory.png"
 
 
@@ -58,7 +62,8 @@ class Curve:
     method: str
     seed: int
     lr: float | None
-    seconds: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # training CPU seconds at each evaluation
+    wall_seconds: list[float] = field(default_factory=list)  # training wall seconds at the same evaluations
     accuracies: list[float] = field(default_factory=list)
     steps: int = 0
 
@@ -68,18 +73,21 @@ class Curve:
 
 
 class TrainingClock:
-    """Seconds of training only: held-out evaluations run with the clock stopped. `due()` says when the next of
-    `evaluations` evenly spaced evaluations (the last at the budget) has come."""
+    """Seconds of training only, in this process's CPU time (`time.process_time`: fair between runs that share
+    cores), with the wall seconds kept beside them; held-out evaluations run with the clock stopped. `due()` says
+    when the next of `evaluations` evenly spaced evaluations (the last at the budget) has come."""
 
     def __init__(self, budget_s: float, evaluations: int) -> None:
         self.budget_s, self.marks = budget_s, [budget_s * (i + 1) / evaluations for i in range(evaluations)]
-        self.elapsed, self._started = 0.0, None
+        self.elapsed, self.wall_elapsed, self._started = 0.0, 0.0, (0.0, 0.0)
 
     def start(self) -> None:
-        self._started = time.perf_counter()
+        self._started = (time.process_time(), time.perf_counter())
 
     def stop(self) -> None:
-        self.elapsed += time.perf_counter() - self._started
+        cpu_started, wall_started = self._started
+        self.elapsed += time.process_time() - cpu_started
+        self.wall_elapsed += time.perf_counter() - wall_started
 
     def due(self) -> bool:
         passed = [mark for mark in self.marks if self.elapsed >= mark]
@@ -93,6 +101,7 @@ class TrainingClock:
 
 def _evaluate(trainer: Any, curve: Curve, clock: TrainingClock, step: int) -> None:
     curve.seconds.append(round(clock.elapsed, 2))
+    curve.wall_seconds.append(round(clock.wall_elapsed, 2))
     curve.accuracies.append(trainer.held_out(step)["accuracy"])
 
 
@@ -159,42 +168,68 @@ def grpo_curve(trainer: Any, curve: Curve, clock: TrainingClock, output_dir: str
     return _final_evaluation(trainer, curve, clock)
 
 
-def run_job(job: tuple[str, int, float | None, float, int, int]) -> Curve:
+@dataclass(frozen=True)
+class Job:
+    """One race run. `overrides` are TrainConfig fields over an ES method's preset (screening other settings)."""
+
+    method: str
+    seed: int
+    lr: float | None
+    budget_s: float
+    evaluations: int
+    eval_size: int
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+
+def job_config(job: Job, output_dir: str) -> Any:
+    """The run's TrainConfig: the method's preset on the tiny model under the job's overrides and the race's own
+    settings (seed, one thread, no checkpoints, the shared held-out size)."""
+    return train_config("tiny", {**ES_METHODS.get(job.method, {}), **dict(job.overrides), "seed": job.seed,
+                                 "checkpoint_every": 0, "cpu_threads": 1, "eval_size": job.eval_size,
+                                 "output_dir": output_dir})
+
+
+def run_job(job: Job) -> Curve:
     """One (method, seed, lr) run in its own process: one torch thread, a fresh model, its own output folder."""
-    method, seed, lr, budget_s, evaluations, eval_size = job
     pin_one_thread()
     from transformers.utils import logging as hf_logging
 
     from copes.trainer import Trainer
 
     hf_logging.set_verbosity_error()
-    flags = {**ES_METHODS.get(method, {}), "seed": seed, "checkpoint_every": 0, "cpu_threads": 1, "eval_size": eval_size}
     with tempfile.TemporaryDirectory(prefix="copes-vs-grpo-") as output_dir:
-        trainer = Trainer(train_config("tiny", {**flags, "output_dir": output_dir}), progress=False)
-        curve, clock = Curve(method, seed, lr), TrainingClock(budget_s, evaluations)
-        if method == GRPO:
+        trainer = Trainer(job_config(job, output_dir), progress=False)
+        curve, clock = Curve(job.method, job.seed, job.lr), TrainingClock(job.budget_s, job.evaluations)
+        if job.method == GRPO:
             return grpo_curve(trainer, curve, clock, output_dir)
         return es_curve(trainer, curve, clock)
 
 
-def run_jobs(jobs: Sequence[tuple], workers: int) -> list[Curve]:
+def run_jobs(jobs: Sequence[Job], workers: int) -> list[Curve]:
     if workers == 1:
         return [run_job(job) for job in jobs]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         return pool.map(run_job, jobs, chunksize=1)
 
 
-def best_grpo_lr(curves: Sequence[Curve]) -> float:
-    """The swept learning rate whose seed-0 run gained the most held-out accuracy."""
-    return max((c for c in curves if c.method == GRPO and c.seed == 0), key=lambda c: c.gain).lr
+def best_grpo_lr(curves: Sequence[Curve]) -> float | None:
+    """The swept learning rate whose seed-0 run gained the most held-out accuracy (None without GRPO runs)."""
+    sweep = [c for c in curves if c.method == GRPO and c.seed == 0]
+    return max(sweep, key=lambda c: c.gain).lr if sweep else None
 
 
 def race(args: argparse.Namespace) -> list[Curve]:
     base = (args.budget_s, args.evaluations, args.eval_size)
-    sweep = run_jobs([(GRPO, 0, lr, *base) for lr in args.grpo_lrs]
-                     + [(method, seed, None, *base) for method in ES_METHODS for seed in range(args.seeds)], args.workers)
+    overrides = tuple(sorted(args.set.items()))
+    es_methods = [method for method in args.methods if method != GRPO]
+    grpo_lrs = args.grpo_lrs if GRPO in args.methods else []
+    sweep = run_jobs([Job(GRPO, 0, lr, *base) for lr in grpo_lrs]
+                     + [Job(method, seed, None, *base, overrides) for method in es_methods for seed in range(args.seeds)],
+                     args.workers)
+    if not grpo_lrs:
+        return sweep
     best_lr = best_grpo_lr(sweep)
-    return sweep + run_jobs([(GRPO, seed, best_lr, *base) for seed in range(1, args.seeds)], args.workers)
+    return sweep + run_jobs([Job(GRPO, seed, best_lr, *base) for seed in range(1, args.seeds)], args.workers)
 
 
 def _label(method: str, lr: float | None) -> str:
@@ -214,8 +249,8 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 def race_rows(curves: Sequence[Curve]) -> list[dict[str, Any]]:
     """One row per method (GRPO at its best lr, plus one row per other swept lr): gain, std, share of GRPO's."""
-    groups = _by_label(curves)
-    grpo_gain = statistics.fmean(c.gain for c in groups[_label(GRPO, best_grpo_lr(curves))])
+    groups, best_lr = _by_label(curves), best_grpo_lr(curves)
+    grpo_gain = statistics.fmean(c.gain for c in groups[_label(GRPO, best_lr)]) if best_lr is not None else 0.0
     rows = []
     for label, runs in groups.items():
         gain, gain_std = _mean_std([100 * c.gain for c in runs])
@@ -224,6 +259,7 @@ def race_rows(curves: Sequence[Curve]) -> list[dict[str, Any]]:
             "acc_before_pct": 100 * runs[0].accuracies[0], "acc_after_pct": 100 * statistics.fmean(c.accuracies[-1] for c in runs),
             "gain_pts": gain, "gain_std": gain_std, "share_of_grpo_pct": 100 * gain / (100 * grpo_gain) if grpo_gain else float("nan"),
             "steps": statistics.fmean(c.steps for c in runs), "gains_pts": " ".join(f"{100 * c.gain:+.1f}" for c in runs),
+            "wall_s": statistics.fmean(c.wall_seconds[-1] for c in runs),
         })
     return rows
 
@@ -247,7 +283,7 @@ def plot_race(curves: Sequence[Curve], path: Path, title: str) -> None:
         line, = axis.plot(seconds, mean, "o-", markersize=3, label=f"{label} ({len(runs)} seeds)")
         axis.fill_between(seconds, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                           color=line.get_color(), alpha=0.15)
-    _finish(fig, axis, path, title, "training seconds (held-out evaluation excluded), one CPU thread each",
+    _finish(fig, axis, path, title, "training CPU seconds (held-out evaluation excluded), one torch thread each",
             "held-out accuracy (%)")
 
 
@@ -341,6 +377,18 @@ def plot_memory(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     _finish(fig, axis, path, title, "context length (tokens)", "peak memory over the loaded model (MiB)")
 
 
+def _override(text: str) -> tuple[str, Any]:
+    """KEY=VALUE with a YAML value (population=128, fitness=joint), as copes-run's mapping options read them."""
+    import yaml
+
+    from copes.config import FIELD_NAMES
+
+    key, sep, value = text.partition("=")
+    if not sep or key not in FIELD_NAMES:
+        raise argparse.ArgumentTypeError(f"takes KEY=VALUE with KEY a copes-run option (population, sigma, ...), got {text!r}")
+    return key, yaml.safe_load(value)
+
+
 def _require_trl() -> None:
     try:
         import trl  # noqa: F401
@@ -351,8 +399,14 @@ def _require_trl() -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("both", "race", "memory"), default="both")
-    parser.add_argument("--budget-s", type=float, default=150.0, help="training seconds per run (evaluation excluded)")
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="training CPU seconds per run (its own process; evaluation excluded)")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--methods", nargs="+", choices=(GRPO, *ES_METHODS), default=[GRPO, *ES_METHODS],
+                        help="which methods race (default: all)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", type=_override,
+                        help="TrainConfig fields over every ES method's preset, e.g. population=128 (screening)")
+    parser.add_argument("--name", default="vs_grpo", help="stem of the race's CSV and plot in bench/results")
     parser.add_argument("--grpo-lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3], help="GRPO learning rates swept on seed 0")
     parser.add_argument("--evaluations", type=int, default=5, help="held-out evaluations per run after the first")
     parser.add_argument("--eval-size", type=int, default=500, help="validation problems per evaluation")
@@ -361,18 +415,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--memory-batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens sampled per row in the memory part")
     args = parser.parse_args(argv)
+    args.set = dict(args.set)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     if args.part in ("both", "race"):
-        _require_trl()
+        if GRPO in args.methods:
+            _require_trl()
         started = time.perf_counter()
         curves = race(args)
-        lines = [[c.method, c.seed, c.lr or "", s, a] for c in curves for s, a in zip(c.seconds, c.accuracies)]
-        write_csv("vs_grpo_curves", ["method", "seed", "lr", "training_seconds", "accuracy"], lines)
-        title = (f"tiny model, arithmetic, {args.budget_s:g} s of training per run, {args.eval_size} validation problems "
+        lines = [[c.method, c.seed, c.lr or "", s, w, a] for c in curves for s, w, a in zip(c.seconds, c.wall_seconds, c.accuracies)]
+        write_csv(f"{args.name}_curves", ["method", "seed", "lr", "training_seconds", "wall_seconds", "accuracy"], lines)
+        title = (f"tiny model, arithmetic, {args.budget_s:g} CPU s of training per run, {args.eval_size} validation problems "
                  f"({machine_note()}, {args.workers} runs at once)")
-        report("vs_grpo", race_rows(curves), title)
-        plot_race(curves, RESULTS_DIR / PLOT_NAME, title)
-        print(f"wrote {RESULTS_DIR / PLOT_NAME}; race took {time.perf_counter() - started:.0f} s")
+        if args.set:
+            title += f", ES presets under {' '.join(f'{k}={v}' for k, v in sorted(args.set.items()))}"
+        report(args.name, race_rows(curves), title)
+        plot_race(curves, RESULTS_DIR / f"{args.name}.png", title)
+        print(f"wrote {RESULTS_DIR / args.name}.png; race took {time.perf_counter() - started:.0f} s wall")
     if args.part in ("both", "memory"):
         rows = memory_rows(args)
         title = f"random Qwen3 ({rows[0]['parameters'] / 1e6:.1f}M parameters), batch {args.memory_batch} ({machine_note()})"

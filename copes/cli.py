@@ -101,7 +101,7 @@ def _layers(config_file: str | None, flags: dict[str, Any]) -> list[dict[str, An
     flags = {k: (None if v == () else v) for k, v in flags.items()}
     file_layer = read_yaml(config_file) if config_file else {}
     model = flags.get("model") or file_layer.get("model") or EMBEDDED_MODEL
-    preset = read_preset(model)
+    preset = read_preset(model, flags.get("algorithm") or file_layer.get("algorithm"))
     return [read_yaml(preset) if preset else {}, file_layer, flags]
 
 

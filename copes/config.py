@@ -2,7 +2,8 @@
 (the CLI's options are generated from the fields, see `copes.cli`).
 
 Precedence, lowest first: the dataclass defaults (the paper's hyperparameters) < the model's own preset
-(`copes.yaml` inside a model directory, e.g. the embedded tiny model) < `--config FILE.yaml` < CLI flags.
+(`copes.yaml` inside a model directory, e.g. the embedded tiny model, or `copes.<algorithm>.yaml` beside it when the
+chosen algorithm has its own) < `--config FILE.yaml` < CLI flags.
 """
 
 from __future__ import annotations

@@ -96,11 +96,12 @@ def load_model(
     return lm, tokenizer, resolved_device
 
 
-def read_preset(model: str) -> Path | None:
-    """The model's own recommended ES settings (`copes.yaml` in its folder), if it ships one."""
+def read_preset(model: str, algorithm: str | None = None) -> Path | None:
+    """The model's own recommended ES settings, if it ships them: `copes.<algorithm>.yaml` in its folder where the
+    algorithm has its own (EGGROLL wants other settings than CoPES), else `copes.yaml`."""
     try:
         path = Path(resolve_model_path(model))
     except UserError:
         return None
-    preset = path / PRESET_FILE
-    return preset if preset.is_file() else None
+    own = [path / f"{Path(PRESET_FILE).stem}.{algorithm}.yaml"] if algorithm else []
+    return next((preset for preset in [*own, path / PRESET_FILE] if preset.is_file()), None)

@@ -59,12 +59,29 @@ def test_every_shipped_config_is_valid_and_names_its_command(path):
     build_config(read_yaml(path))
 
 
-def test_the_tiny_config_spells_out_the_embedded_models_preset():
+@pytest.mark.parametrize("algorithm", ["copes", "eggroll"])
+def test_the_tiny_config_spells_out_the_embedded_models_preset(algorithm):
     from copes.modeling import read_preset
 
-    preset = read_yaml(read_preset("tiny"))
-    spelled_out = read_yaml(CONFIGS / "tiny-arithmetic-copes.yaml")
+    preset = read_yaml(read_preset("tiny", algorithm))
+    spelled_out = read_yaml(CONFIGS / f"tiny-arithmetic-{algorithm}.yaml")
     assert {k: v for k, v in spelled_out.items() if k not in ("model", "output_dir")} == preset
+
+
+def test_eggroll_on_the_embedded_model_gets_its_own_preset_under_config_files_and_flags(tmp_path):
+    from copes.cli import _config
+    from copes.modeling import EMBEDDED_MODEL_DIR
+
+    copes_preset, eggroll_preset = (read_yaml(EMBEDDED_MODEL_DIR / name) for name in ("copes.yaml", "copes.eggroll.yaml"))
+    assert copes_preset["algorithm"] == "copes" and eggroll_preset["algorithm"] == "eggroll"
+    eggroll = _config(None, {"algorithm": "eggroll"})
+    assert {k: getattr(eggroll, k) for k in eggroll_preset} == eggroll_preset
+    config = tmp_path / "run.yaml"
+    config.write_text("algorithm: eggroll\npopulation: 8\n")
+    from_file = _config(str(config), {"prompt_batch": 4})
+    assert (from_file.population, from_file.prompt_batch, from_file.sigma) == (8, 4, eggroll_preset["sigma"])
+    for flags in ({}, {"algorithm": "es"}, {"algorithm": "copes-lowrank"}):  # no preset of their own: copes.yaml's
+        assert (_config(None, flags).sigma, _config(None, flags).lr) == (copes_preset["sigma"], copes_preset["lr"])
 
 
 def test_task_options_and_tool_budgets_are_reachable_from_yaml(tmp_path):
