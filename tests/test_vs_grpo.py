@@ -50,7 +50,7 @@ def test_table_and_plot(curves, tmp_path):
 def test_grpo_really_trains_the_frozen_model_es_loads(tmp_path):
     from copes.trainer import Trainer
 
-    trainer = Trainer(vs_grpo.job_config(vs_grpo.Job(vs_grpo.GRPO, 0, 1e-3, 1.0, 1, EVAL_SIZE), str(tmp_path)))
+    trainer = Trainer(vs_grpo.job_config(vs_grpo.Job(vs_grpo.GRPO, 0, 1e-3, 1.0, 1, EVAL_SIZE), str(tmp_path)), progress=False)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     curve = vs_grpo.grpo_curve(trainer, vs_grpo.Curve(vs_grpo.GRPO, 0, 1e-3), vs_grpo.TrainingClock(1.0, 1), str(tmp_path))
     assert curve.steps >= 1
