@@ -162,6 +162,7 @@ def grpo_curve(trainer: Any, curve: Curve, clock: TrainingClock, output_dir: str
         disable_tqdm=True, dataloader_num_workers=0, bf16=False,
     )
     _evaluate(trainer, curve, clock, 0)
+    trainer.model.requires_grad_(True)  # copes.modeling.load_model freezes every weight for ES; GRPO trains them
     grpo = GRPOTrainer(model=trainer.model, reward_funcs=reward, args=config, train_dataset=prompts,
                        processing_class=trainer.tokenizer, callbacks=[SameClock()])
     grpo.train()

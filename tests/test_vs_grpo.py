@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("trl", reason="TRL is the GRPO baseline: pip install -e '.[bench]'")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -44,6 +45,16 @@ def test_table_and_plot(curves, tmp_path):
     assert grpo_row["share_of_grpo_pct"] == pytest.approx(100.0) or grpo_row["gain_pts"] == 0
     vs_grpo.plot_race(curves, tmp_path / "race.png", "smoke")
     assert (tmp_path / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_grpo_really_trains_the_frozen_model_es_loads(tmp_path):
+    from copes.trainer import Trainer
+
+    trainer = Trainer(vs_grpo.job_config(vs_grpo.Job(vs_grpo.GRPO, 0, 1e-3, 1.0, 1, EVAL_SIZE), str(tmp_path)), progress=False)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    curve = vs_grpo.grpo_curve(trainer, vs_grpo.Curve(vs_grpo.GRPO, 0, 1e-3), vs_grpo.TrainingClock(1.0, 1), str(tmp_path))
+    assert curve.steps >= 1
+    assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
 
 
 def test_training_clock_passes_every_mark_a_long_step_crosses():
