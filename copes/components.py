@@ -24,7 +24,8 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
         common["fitness"] = cfg.fitness
     try:
         if cfg.algorithm in ("copes", "es"):
-            return CoPES(model, num_subspaces=cfg.num_subspaces, chunk_size=cfg.chunk_size, restore=cfg.restore, **common)
+            return CoPES(model, num_subspaces=cfg.num_subspaces, chunk_size=cfg.chunk_size, restore=cfg.restore,
+                         antithetic=cfg.antithetic, optimizer=cfg.optimizer, **common)
         if cfg.algorithm == "eggroll":
             return EGGROLL(model, rank=cfg.rank, **common)
         return CoPESLowRank(model, num_subspaces=cfg.subspaces, rank=cfg.rank, **common)

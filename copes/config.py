@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from copes.choices import ALGORITHMS, DTYPES, FITNESS_MODES, RESTORE_MODES, ROLLOUT_ENGINES, TOOL_FORMATS
+from copes.choices import ALGORITHMS, DTYPES, FITNESS_MODES, OPTIMIZERS, RESTORE_MODES, ROLLOUT_ENGINES, TOOL_FORMATS
 from copes.errors import UserError
 
 # Where each algorithm-specific option applies; an option set for any other algorithm is ignored (with a warning).
@@ -25,7 +25,7 @@ LOWRANK_ALGORITHMS = ("eggroll", "copes-lowrank")
 SUBSPACE_ALGORITHMS = ("copes", "copes-lowrank")
 # Options that fix a run's trajectory: a resumed run must share them with the journal it continues.
 RESUME_KEYS = ("model", "task", "task_options", "algorithm", "population", "subspaces", "sigma", "lr", "rank",
-               "prompt_batch", "fitness", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens",
+               "prompt_batch", "fitness", "antithetic", "optimizer", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens",
                "tool_budgets", "tool_format", "template_kwargs")
 
 
@@ -73,6 +73,11 @@ class TrainConfig:
     retriever_url: str | None = _opt(None, "Search-R1 style retrieval server URL instead of local BM25")
     fitness: str | None = _opt(None, "reward standardisation (default: joint for copes/es/copes-lowrank, "
                                      "per_question for eggroll)", choices=FITNESS_MODES)
+    antithetic: bool = _opt(False, "pair members inside each subspace as +eps/-eps (mirrored sampling); needs an "
+                                   "even population/subspaces", algorithms=PER_MEMBER_ALGORITHMS)
+    optimizer: str = _opt("sgd", "what applies the ES gradient estimate: sgd (w += lr * g) | adam (fp32 moments "
+                                 "and master weights, evolved again on resume)", choices=OPTIMIZERS,
+                          algorithms=PER_MEMBER_ALGORITHMS)
     dtype: str = _opt("auto", "weights dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16",
                       choices=DTYPES)
     device: str = _opt("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
@@ -136,6 +141,9 @@ class TrainConfig:
                 f"--population {self.population} is not divisible by --subspaces {self.subspaces}: "
                 "every subspace needs the same number of members"
             )
+        if self.antithetic and self.algorithm in PER_MEMBER_ALGORITHMS and (self.population // self.num_subspaces) % 2:
+            raise ConfigError(f"--antithetic pairs the members of each subspace, but --population {self.population} "
+                              f"gives {self.population // self.num_subspaces} per subspace (odd)")
         if self.budget_hours is not None and self.budget_hours <= 0:
             raise ConfigError(f"--budget-hours must be > 0, got {self.budget_hours}")
         return self

@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +72,11 @@ def build_header(cfg: TrainConfig, model: torch.nn.Module, strategy: Any, model_
 
 def check_same_run(run_dir: str | Path, header: dict[str, Any], cfg: TrainConfig) -> None:
     """The first RESUME_KEYS difference between the journaled run and `cfg`, as one sentence."""
-    theirs = header["config"]
+    # A key an older journal lacks is an option added since; that run had its default.
+    theirs = {**asdict(TrainConfig()), **header["config"]}
     for key in RESUME_KEYS:
-        if getattr(cfg, key) != theirs.get(key):
-            raise ConfigError(f"--resume {run_dir} belongs to a different run: {key}={theirs.get(key)!r} there, "
+        if getattr(cfg, key) != theirs[key]:
+            raise ConfigError(f"--resume {run_dir} belongs to a different run: {key}={theirs[key]!r} there, "
                               f"{getattr(cfg, key)!r} here")
 
 

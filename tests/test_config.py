@@ -33,6 +33,7 @@ def test_es_is_copes_with_one_subspace():
         ({"rank": 0}, "--rank must be >= 1"),
         ({"population": "many"}, "option population must be int"),
         ({"budget_hours": -2}, "--budget-hours must be > 0"),
+        ({"antithetic": True, "population": 12, "subspaces": 4}, r"--antithetic pairs .* gives 3 per subspace \(odd\)"),
     ],
 )
 def test_invalid_settings_raise_one_sentence(layer, message):
@@ -99,10 +100,22 @@ def test_task_options_and_tool_budgets_are_reachable_from_yaml(tmp_path):
     ({"restore": "disk"}, "unknown restore 'disk'; choose one of: device, host, subtract"),
     ({"fitness": "rank"}, "unknown fitness 'rank'; choose one of: joint, per_subspace"),
     ({"tool_format": "xml"}, "unknown tool_format 'xml'"),
+    ({"optimizer": "lion"}, "unknown optimizer 'lion'; choose one of: sgd, adam"),
 ])
 def test_choices_come_from_the_field(layer, message):
     with pytest.raises(ConfigError, match=message):
         build_config(layer)
+
+
+def test_antithetic_and_adam_reach_the_strategy():
+    from transformers import AutoModelForCausalLM
+
+    from copes.components import build_strategy
+    from copes.modeling import resolve_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"))
+    strategy = build_strategy(build_config({"antithetic": True, "optimizer": "adam"}), model)
+    assert (strategy.antithetic, strategy.optimizer) == (True, "adam")
 
 
 def test_options_the_algorithm_does_not_use_are_named():

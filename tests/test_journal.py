@@ -212,11 +212,12 @@ RUN_VARIANTS = {
     "host restore": ["--restore", "host"],
     "subtract restore": ["--restore", "subtract"],
     "bf16, stochastic rounding": ["--dtype", "bfloat16"],
+    "antithetic pairs, adam": ["--antithetic", "--optimizer", "adam"],
 }
 
 
 @pytest.mark.parametrize("variant", [
-    *(pytest.param(v) for v in ("es", "eggroll", "copes-lowrank")),
+    *(pytest.param(v) for v in ("es", "eggroll", "copes-lowrank", "antithetic pairs, adam")),
     *(pytest.param(v, marks=[pytest.mark.slow, pytest.mark.filterwarnings("ignore:restore='subtract'")])
       for v in ("host restore", "subtract restore", "bf16, stochastic rounding")),
 ])

@@ -28,11 +28,10 @@ from typing import Any, ClassVar
 import torch
 
 import copes_kernels as ck
+from copes.choices import OPTIMIZERS
 from copes.params import ParameterSpace, TrainableParameter
 from copes.strategies.base import (MAX_POPULATION, PER_MEMBER, ESBase, Evaluation, FitnessFn, StepPlan, StepStats,
                                    step_seed)
-
-OPTIMIZERS = ("sgd", "adam")
 
 __all__ = ["MAX_POPULATION", "OPTIMIZERS", "CoPES", "FitnessFn", "StepPlan", "StepStats", "step_seed"]
 
