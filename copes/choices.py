@@ -8,3 +8,4 @@ UPDATE_PRECISIONS = ("auto", "native", "stochastic", "master_device", "master_ho
 FITNESS_MODES = ("joint", "per_subspace", "centered_rank", "per_question")
 TOOL_FORMATS = ("auto", "qwen", "tags")
 ROLLOUT_ENGINES = ("hf", "vllm")
+VLLM_CPU_WEIGHTS = ("plain", "packed")
