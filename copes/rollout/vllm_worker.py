@@ -62,8 +62,14 @@ class PackedLinearWeights:
     pack is at the first refresh."""
 
     def __init__(self, vllm_model: torch.nn.Module) -> None:
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        def runs_gemms(module: torch.nn.Module) -> bool:  # an input embedding has a cpu_linear it never calls
+            return not isinstance(module, VocabParallelEmbedding) or isinstance(module, ParallelLMHead)
+
         self.layers = {name: module for name, module in vllm_model.named_modules()
-                       if getattr(module, "cpu_linear", None) is F.linear and module.weight.ndim == 2}
+                       if getattr(module, "cpu_linear", None) is F.linear and module.weight.ndim == 2
+                       and runs_gemms(module)}
         self._packed_versions: dict[str, int] = {}  # layer name -> its weight's version when it was packed
         self._dispatch = _vllm_linear_dispatch()
         self.repacked_layers = 0  # layer packs so far, first packs included
