@@ -42,11 +42,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from copes.choices import VLLM_CPU_WEIGHTS
 from copes.errors import UserError
 from copes.extras import require
 from copes.modeling import resolve_device, resolve_dtype, resolve_model_path
 from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids, row_limits
-from copes.choices import VLLM_CPU_WEIGHTS
 from copes.rollout.vllm_worker import WORKER_EXTENSION, PackedLinearWeights, keep_plain_linear_weights
 
 # The engine in this process (always: out of process the views would be copies that perturb nothing), and a

@@ -11,7 +11,7 @@ called and vLLM keeps plain weight tensors anyway. vLLM is imported only when ca
 trainer writes, and each linear layer also holds vLLM's own packed copy (vLLM's dispatch with
 `remove_weight=False`), rebuilt before a generation for the layers whose weight changed since its last pack. A
 change is seen through the tensors' autograd version counters: torch's in-place ops bump them, and
-`ParameterSpace` bumps them for its kernels' raw-address writes, so no write is missed and none is invented.
+`ParameterSpace` bumps them for its kernels' raw-address writes, so no write is missed.
 """
 
 from __future__ import annotations
