@@ -1,12 +1,16 @@
-"""Rollout engines side by side: Hugging Face `generate` vs vLLM (weights perturbed in place inside the engine).
+"""Rollout engines side by side: Hugging Face `generate` vs vLLM (weights perturbed in place inside the engine),
+vLLM with plain linear weights (F.linear, as HF) and with packed ones (vLLM's oneDNN copies, repacked after each
+weight change).
 
-Same random ~100M-parameter Qwen3 model (built locally, saved once, loaded by both), same prompts, same lengths
-(every row generates exactly --new-tokens greedy tokens: EOS is ignored on both engines), same torch threads.
-Per dtype it reports, best of --repeats rounds after a warm-up round, the two engines alternating each round:
+Same random ~100M-parameter Qwen3 model (built locally, saved once, loaded by every engine), same prompts, same
+lengths (every row generates exactly --new-tokens greedy tokens: EOS is ignored on every engine), same torch
+threads. Per dtype it reports, best of --repeats rounds after a warm-up round, the engines alternating each round:
 
-  tokens/s     the prompt batch's generated tokens / seconds of one batched greedy generation
+  tokens/s     the prompt batch's generated tokens / seconds of one batched greedy generation (weights unchanged
+               since the last one: no repack)
   step s       one CoPES step (--population members, each: perturb, roll out the batch, restore; then the
-               update), and inside it the seconds of perturb + restore, which vLLM pays on its own storage
+               update), and inside it the seconds of perturb + restore, which vLLM pays on its own storage, and
+               of the packed engine's repacks (one per member: its weights changed since the last rollout)
 
 The reward of a member is the mean id of its generated tokens: continuous, so every step really updates.
 
@@ -74,6 +78,7 @@ def vllm_rollout(model: torch.nn.Module, prompts: list[list[int]], new_tokens: i
 
     engine = engine_for(model)
     engine.start_rollout()
+    engine.repack_changed_weights()
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0.0,
                             detokenize=False)
     outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -83,22 +88,33 @@ def vllm_rollout(model: torch.nn.Module, prompts: list[list[int]], new_tokens: i
 Rollout = Callable[[torch.nn.Module, list[list[int]], int], torch.Tensor]
 
 
+def repack_seconds(model: torch.nn.Module) -> float:
+    """The packed vLLM engine's repack seconds so far (0 for the engines that keep no packed copies)."""
+    packed = getattr(engine_for(model), "packed_weights", None)
+    return packed.repack_seconds if packed is not None else 0.0
+
+
 def copes_step(model: torch.nn.Module, rollout: Rollout, prompts: list[list[int]], new_tokens: int,
                population: int, phases: dict[str, float]) -> None:
-    """One CoPES step on `model`; adds its perturb + restore seconds to `phases`."""
+    """One CoPES step on `model`; keeps in `phases` the fewest perturb + restore and repack seconds of a step."""
     es = copes.CoPES(model, population=population, num_subspaces=2, sigma=1e-3, lr=5e-4, seed=0)
+    repacked_before = repack_seconds(model)
     stats = es.step(lambda m: rollout(m, prompts, new_tokens).float().mean().item())
-    phases["perturb_restore"] = min(phases.get("perturb_restore", float("inf")),
-                                    stats.perturb_seconds + stats.restore_seconds)
+    step_phases = {"perturb_restore": stats.perturb_seconds + stats.restore_seconds,
+                   "repack": repack_seconds(model) - repacked_before}
+    for phase, seconds in step_phases.items():
+        phases[phase] = min(phases.get(phase, float("inf")), seconds)
 
 
 def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int) -> list[dict[str, object]]:
     hf_model, _, _ = load_model(str(folder), device="cpu", dtype=dtype)
-    views, _, _ = load_rollout_model(str(folder), engine="vllm", device="cpu", dtype=dtype, cpu_threads=args.threads,
-                                     kv_cache_gib=args.kv_cache_gib)
+    engines: dict[str, tuple[torch.nn.Module, Rollout]] = {"hf": (hf_model, hf_rollout)}
+    for weights in ("plain", "packed"):
+        views, _, _ = load_rollout_model(str(folder), engine="vllm", device="cpu", dtype=dtype, cpu_threads=args.threads,
+                                         kv_cache_gib=args.kv_cache_gib, vllm_cpu_weights=weights)
+        engines[f"vllm-{weights}"] = (views, vllm_rollout)
     torch.set_num_threads(args.threads)
     prompts = prompt_batch(args.prompts, args.prompt_tokens, vocab_size)
-    engines = {"hf": (hf_model, hf_rollout), "vllm": (views, vllm_rollout)}
     generate = alternating_best_seconds(
         {name: (lambda m=m, r=r: r(m, prompts, args.new_tokens)) for name, (m, r) in engines.items()}, args.repeats)
     phases: dict[str, dict[str, float]] = {name: {} for name in engines}
@@ -113,6 +129,7 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
             "new_tokens": args.new_tokens, "tokens_per_s": tokens / generate[name],
             "vs_hf_tokens": generate["hf"] / generate[name], "step_s": step[name],
             "vs_hf_step": step["hf"] / step[name], "perturb_restore_s": phases[name]["perturb_restore"],
+            "repack_s": phases[name]["repack"],
         })
     return rows
 
@@ -124,7 +141,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per prompt")
     parser.add_argument("--population", type=int, default=2, help="members of the timed CoPES step (K=2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for both engines")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for every engine")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best kept) after one warm-up")
     parser.add_argument("--kv-cache-gib", type=float, default=0.5, help="the vLLM engine's KV cache")
     args = parser.parse_args()
@@ -133,7 +150,7 @@ def main() -> None:
         parameters = build_model_folder(Path(folder), MODEL_SHAPE)
         vocab_size = Qwen3Config.from_pretrained(folder).vocab_size
         rows = [row for dtype in args.dtypes for row in measure(Path(folder), dtype, args, vocab_size)]
-    report("rollout_engines", rows, f"hf vs vllm rollouts, random Qwen3 of {parameters / 1e6:.1f}M parameters; "
+    report("rollout_engines", rows, f"hf vs vllm (plain, packed) rollouts, random Qwen3 of {parameters / 1e6:.1f}M parameters; "
                                     f"{machine_note()}; {time.perf_counter() - started:.0f}s")
 
 

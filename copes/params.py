@@ -12,7 +12,10 @@ first name.
 
 This class is the only code that writes trainable weights, for every strategy: perturb / restore (CoPES), the
 noise-sum update (CoPES) and the low-rank update (EGGROLL family) all go through it, and so do the fp32
-masters, stochastic rounding and the applied-norm measurement.
+masters, stochastic rounding and the applied-norm measurement. Each write bumps the written tensors' autograd
+version counters (`torch.autograd.graph.increment_version`), as torch's own in-place ops do: the kernels write
+through raw addresses, and code that caches something derived from the weights (the vLLM engine's packed GEMM
+copies) compares `tensor._version` to know when to rebuild it.
 
 Noise ids: `tensor_id = zlib.crc32(name)`, stable across processes and runs (unlike Python's `hash`); two
 selected names with the same id are rejected, since they would receive identical noise.
@@ -342,12 +345,17 @@ class ParameterSpace:
         for device in {p.data.device for p in self.parameters if p.data.is_cuda}:
             torch.cuda.synchronize(device)
 
+    def _mark_written(self) -> None:
+        """Bump every trainable tensor's version counter; called before a write, so one that fails halfway counts."""
+        torch.autograd.graph.increment_version([p.data for p in self.parameters])
+
     # ---------------------------------------------------------------- perturb / restore
 
     def perturb(self, partition: list[torch.Tensor], *, seed: int, member: int, subspace: int, sigma: float) -> None:
         """w += sigma * eps_member on the chunks of `subspace`, keeping what restore() needs to undo it."""
         if self._pending is not None:
             raise RuntimeError("perturb() called while another perturbation is applied; call restore() first")
+        self._mark_written()
         if self._fused():
             tables = self._tables(partition, subspace)
             group_backups = []
@@ -390,6 +398,7 @@ class ParameterSpace:
         pending = self._pending
         if pending is None:
             raise RuntimeError("restore() called without an applied perturbation")
+        self._mark_written()
         if pending.tables is not None:
             for index, table in enumerate(pending.tables):
                 if self.restore_mode == "subtract":
@@ -436,6 +445,7 @@ class ParameterSpace:
                 "update_precision='stochastic' only supports the plain (SGD) update; use a master precision for an "
                 "update rule such as Adam"
             )
+        self._mark_written()
         if rule is None and self._fused(update=True):
             squares = []
             for table in self._tables(partition, None):
@@ -474,6 +484,7 @@ class ParameterSpace:
             raise RuntimeError("apply_lowrank_update() called while a perturbation is applied; call restore() first")
         if len(factors) != len(self.parameters):
             raise ValueError(f"factors must have one entry per parameter ({len(self.parameters)}), got {len(factors)}")
+        self._mark_written()
 
         def add_lowrank(index: int, param: TrainableParameter, offset: int, target: torch.Tensor) -> None:
             A, B, coeffs = factors[index]

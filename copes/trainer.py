@@ -78,7 +78,8 @@ class Trainer:
         device = str(self.dist.device) if self.dist else cfg.device
         self.model, self.tokenizer, self.device = load_rollout_model(
             cfg.model, engine=cfg.rollout_engine, device=device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
-            kv_cache_gib=cfg.vllm_kv_cache_gib, max_context_tokens=cfg.max_context_tokens)
+            kv_cache_gib=cfg.vllm_kv_cache_gib, max_context_tokens=cfg.max_context_tokens,
+            vllm_cpu_weights=cfg.vllm_cpu_weights)
         if self.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out,

@@ -171,6 +171,24 @@ def test_perturb_and_restore_must_alternate():
         space.apply_update(parts, seed=SEED, members=[0], coeffs=[1.0], member_subspaces=[0])
 
 
+@pytest.mark.parametrize("multi_tensor", [True, False])
+def test_every_write_bumps_the_weights_version_counters(multi_tensor):
+    """The kernels write through raw addresses, which torch does not see: ParameterSpace bumps the counters itself,
+    so a reader caching something derived from the weights (vLLM's packed GEMM copies) knows they changed."""
+    model = toy_mlp()
+    space = ParameterSpace(model, chunk_size=8, multi_tensor=multi_tensor)
+    parts = space.partition(SEED, 2)
+    writes = [
+        lambda: space.perturb(parts, seed=SEED, member=0, subspace=1, sigma=0.1),
+        space.restore,
+        lambda: space.apply_update(parts, seed=SEED, members=[0], coeffs=[1.0], member_subspaces=[0]),
+    ]
+    for write in writes:
+        versions = [param._version for param in model.parameters()]
+        write()
+        assert all(param._version > version for param, version in zip(model.parameters(), versions))
+
+
 # ---------------------------------------------------------------- update
 
 

@@ -22,6 +22,8 @@ def test_hf_is_the_default_engine() -> None:
     ({"rollout_engine": "vllm", "algorithm": "eggroll", "subspaces": 1},
      "--rollout-engine vllm runs copes and es: eggroll routes every batch row"),
     ({"rollout_engine": "vllm", "vllm_kv_cache_gib": 0}, "--vllm-kv-cache-gib must be > 0, got 0"),
+    ({"rollout_engine": "vllm", "vllm_cpu_weights": "onednn"},
+     "unknown vllm_cpu_weights 'onednn'; choose one of: plain, packed"),
 ])
 def test_bad_engine_settings_are_one_sentence(settings: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

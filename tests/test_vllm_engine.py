@@ -5,8 +5,15 @@ in place through HF-named views. Against the Hugging Face engine (the reference)
   mode, and after an update in every update precision;
 - the engine generates what HF generates on the same weights, perturbed ones included, for a prompt longer than
   one KV block (no stale prefix cache);
+- `copes-eval --rollout-engine vllm` scores the embedded model as `copes-eval` on HF does;
 - `copes-run --rollout-engine vllm` trains the embedded model for 3 steps and resumes, and with fp32 greedy it
-  ends with the weights and held-out accuracy of the same run on HF.
+  ends with the weights and held-out accuracy of the same run on HF;
+- with packed linear weights (vLLM's oneDNN copies) a generation after any weight write runs on the written
+  weights, as the plain engine's does, and a generation after none repacks nothing.
+
+The bitwise comparisons with HF run the plain engine: oneDNN's packed fp32 GEMMs may differ from F.linear in the
+last bits, so the packed engine is compared with the plain one token for token (wide random logits: no near-ties)
+and with itself (perturb + restore gives back its tokens).
 
 The whole module skips, with the reason, where vLLM is not installed (pip install -e ".[vllm]", see the README).
 """
@@ -19,12 +26,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]'; see the README)")
 
 from cli_runs import assert_same_weights, copes_run, final_weights, metrics_without_time  # noqa: E402
 from tiny_models import build_tiny_tokenizer, tiny_qwen3  # noqa: E402
 
+from copes.cli import eval_command  # noqa: E402
 from copes.errors import UserError  # noqa: E402
 from copes.modeling import load_model  # noqa: E402
 from copes.params import ParameterSpace  # noqa: E402
@@ -48,9 +57,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def engine_and_reference(model_dir: Path, dtype: str) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+def engine_views(model_dir: Path, dtype: str, cpu_weights: str) -> tuple[torch.nn.Module, object]:
     views, tokenizer, _ = load_rollout_model(str(model_dir), engine="vllm", dtype=dtype, cpu_threads=1,
-                                             kv_cache_gib=KV_CACHE_GIB)
+                                             kv_cache_gib=KV_CACHE_GIB, vllm_cpu_weights=cpu_weights)
+    return views, tokenizer
+
+
+def engine_and_reference(model_dir: Path, dtype: str) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+    views, tokenizer = engine_views(model_dir, dtype, "plain")
     reference, _, _ = load_model(str(model_dir), dtype=dtype)
     return views, reference, tokenizer
 
@@ -139,6 +153,61 @@ def test_stop_strings_and_row_limits_match_hf(fp32) -> None:
     assert {g.finished_by for g in ours} >= {"stop", "length"}
 
 
+@pytest.fixture(scope="module")
+def packed(model_dir: Path) -> Iterator[tuple[torch.nn.Module, object]]:
+    yield engine_views(model_dir, "float32", "packed")
+
+
+def test_packed_weights_follow_every_write_and_repack_only_what_changed(fp32, packed) -> None:
+    plain_views, _, tokenizer = fp32
+    packed_views, _ = packed
+    plain_engine, packed_engine = engine_for(plain_views), engine_for(packed_views)
+    assert plain_engine.packed_weights is None
+    packs = packed_engine.packed_weights
+    layers = len(packs.layers)  # every linear layer and the LM head, 4 per decoder layer + 1
+
+    def rollout(engine, new_rollout: bool = True) -> list:
+        if new_rollout:
+            engine.start_rollout()
+        return engine.generate(tokenizer, PROMPTS, max_new_tokens=12)
+
+    def repacks_during(generate) -> tuple[list, int]:
+        before = packs.repacked_layers
+        tokens = generate()
+        return tokens, packs.repacked_layers - before
+
+    base = rollout(packed_engine)
+    assert layers == 4 * len(packed_views.model.layers) + 1
+    assert base == rollout(plain_engine)
+    assert repacks_during(lambda: rollout(packed_engine, new_rollout=False)) == (base, 0)  # the next turn
+    assert repacks_during(lambda: rollout(packed_engine)) == (base, 0)  # the next rollout, nothing written
+    for include, written_layers in ((None, layers), ("model.layers.0.mlp.*", 2)):  # gate_up_proj and down_proj
+        engine_space, plain_space = (ParameterSpace(views, include=include, chunk_size=1000)
+                                     for views in (packed_views, plain_views))
+        for space in (engine_space, plain_space):
+            space.perturb(space.partition(seed=5, num_subspaces=1), seed=5, member=0, subspace=0, sigma=0.2)
+        try:
+            perturbed, repacked = repacks_during(lambda: rollout(packed_engine))
+            assert repacked == written_layers, include
+            assert perturbed == rollout(plain_engine) and perturbed != base, include  # never a stale pack
+        finally:
+            engine_space.restore()
+            plain_space.restore()
+        assert repacks_during(lambda: rollout(packed_engine)) == (base, written_layers), include
+    # A plain torch write (a resume's load_state_dict, a user's copy_) moves the version counter by itself.
+    o_proj = packed_views.model.layers[1].self_attn.o_proj.weight
+    original = o_proj.clone()
+    with torch.no_grad():
+        o_proj.mul_(-1)
+    try:
+        negated, repacked = repacks_during(lambda: rollout(packed_engine))
+        assert (repacked, negated != base) == (1, True)
+    finally:
+        with torch.no_grad():
+            o_proj.copy_(original)
+    assert repacks_during(lambda: rollout(packed_engine)) == (base, 1)
+
+
 @pytest.mark.slow
 def test_updates_in_every_precision_match_hf_bitwise(model_dir: Path) -> None:
     views, reference, _ = engine_and_reference(model_dir, "bfloat16")
@@ -167,7 +236,8 @@ def test_unsupported_head_size_is_one_clear_error(tmp_path: Path) -> None:
 def test_copes_run_on_vllm_resumes_and_matches_hf(tmp_path: Path) -> None:
     """fp32 greedy: 3 steps on vLLM, resumed to 4, end where 4 steps on HF end, bit for bit."""
     on_vllm, on_hf = tmp_path / "vllm", tmp_path / "hf"
-    vllm_flags = ["--rollout-engine", "vllm", "--vllm-kv-cache-gib", str(KV_CACHE_GIB), "--output-dir", str(on_vllm)]
+    vllm_flags = ["--rollout-engine", "vllm", "--vllm-cpu-weights", "plain", "--vllm-kv-cache-gib", str(KV_CACHE_GIB),
+                  "--output-dir", str(on_vllm)]
     first = copes_run("--steps", "3", *vllm_flags, timeout=600)
     assert first.returncode == 0, first.stderr
     resumed = copes_run("--steps", "4", *vllm_flags, "--resume", str(on_vllm), timeout=600)
@@ -179,3 +249,18 @@ def test_copes_run_on_vllm_resumes_and_matches_hf(tmp_path: Path) -> None:
     assert any(record["update_norm"] > 0 for record in metrics_without_time(on_hf))
     ours, theirs = (json.loads((run / "summary.json").read_text()) for run in (on_vllm, on_hf))
     assert (ours["eval_before"], ours["eval_after"]) == (theirs["eval_before"], theirs["eval_after"])
+
+
+def test_copes_eval_on_vllm_scores_as_on_hf(tmp_path: Path) -> None:
+    """The embedded model, fp32 greedy, plain weights: the same answers, rewards and token counts on both engines."""
+    scored = {}
+    for engine in ("hf", "vllm"):
+        output = tmp_path / f"{engine}.json"
+        result = CliRunner().invoke(eval_command, [
+            "--rollout-engine", engine, "--vllm-cpu-weights", "plain", "--vllm-kv-cache-gib", str(KV_CACHE_GIB),
+            "--limit", "8", "--output", str(output)])
+        assert result.exit_code == 0, result.output
+        (scored[engine],) = json.loads(output.read_text()).values()
+        scored[engine].pop("wall_seconds")
+    assert scored["vllm"] == scored["hf"]
+    assert scored["hf"]["n_examples"] == 8

@@ -56,10 +56,11 @@ def engine_for(model: Any) -> RolloutEngine:
 
 def load_rollout_model(
     model: str, *, engine: str = "hf", device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
-    kv_cache_gib: float = 1.0, max_context_tokens: int | None = None,
+    kv_cache_gib: float = 1.0, max_context_tokens: int | None = None, vllm_cpu_weights: str = "packed",
 ) -> tuple[torch.nn.Module, Any, torch.device]:
     """(model, tokenizer, device) as `load_model` gives them; with engine="vllm" the model's parameters are views
-    of the vLLM engine's weights and its rollouts run in that engine."""
+    of the vLLM engine's weights and its rollouts run in that engine (on CPU, with `vllm_cpu_weights` linear
+    weights: "plain" or "packed", see copes.rollout.vllm_engine)."""
     if engine == "hf":
         return load_model(model, device=device, dtype=dtype)
     if engine != "vllm":
@@ -67,6 +68,6 @@ def load_rollout_model(
     from copes.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
 
     vllm_engine = VLLMEngine(model, device=device, dtype=dtype, cpu_threads=cpu_threads, kv_cache_gib=kv_cache_gib,
-                             max_context_tokens=max_context_tokens)
+                             max_context_tokens=max_context_tokens, cpu_weights=vllm_cpu_weights)
     attach_engine(vllm_engine.model, vllm_engine)
     return vllm_engine.model, vllm_engine.tokenizer, vllm_engine.device

@@ -14,6 +14,12 @@ vLLM fuses some HF tensors; the views undo that by rows, which are contiguous bl
 Building the views checks every one against the checkpoint, bit for bit, so a layout vLLM changes at load time
 is an error, not a silent mismatch.
 
+On CPU, `cpu_weights="packed"` also keeps vLLM's packed GEMM copy of every linear weight (faster GEMMs; twice the
+linear weights' memory) and rebuilds, right before a generation, the copies of the layers written since their last
+pack (`copes.rollout.vllm_worker.PackedLinearWeights`): once per member, not between the turns of one rollout, and
+a generation never runs on a stale copy. On CUDA vLLM's linear layers read the plain weights, and there is nothing
+to pack.
+
 Prefix caching stays on (it serves the turns of one multi-turn rollout), and `start_rollout()` drops the cache
 before every rollout: KV computed under another member's weights is never served.
 
@@ -36,11 +42,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from copes.choices import VLLM_CPU_WEIGHTS
 from copes.errors import UserError
 from copes.extras import require
 from copes.modeling import resolve_device, resolve_dtype, resolve_model_path
 from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids, row_limits
-from copes.rollout.vllm_worker import WORKER_EXTENSION, keep_plain_linear_weights
+from copes.rollout.vllm_worker import WORKER_EXTENSION, PackedLinearWeights, keep_plain_linear_weights
 
 # The engine in this process (always: out of process the views would be copies that perturb nothing), and a
 # compile cache that cannot outlive the linear-layer patch.
@@ -57,7 +64,7 @@ def hf_named_views(vllm_model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for module_name, module in vllm_model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for param_name, param in module.named_parameters(recurse=False):
-            data = param.data
+            data = param.detach()  # shares the version counter (unlike .data): writes to a view are seen
             leaf = module_name.rsplit(".", 1)[-1]
             if leaf in packed:  # fused projections: consecutive row blocks, one per HF tensor
                 parent = module_name[: len(module_name) - len(leaf)]
@@ -151,7 +158,9 @@ class VLLMEngine:
     """A vLLM engine on the model folder `model`, and `self.model`: HF-named views of its weights."""
 
     def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
-                 kv_cache_gib: float = 1.0, max_context_tokens: int | None = None) -> None:
+                 kv_cache_gib: float = 1.0, max_context_tokens: int | None = None, cpu_weights: str = "packed") -> None:
+        if cpu_weights not in VLLM_CPU_WEIGHTS:
+            raise ValueError(f"cpu_weights must be one of {VLLM_CPU_WEIGHTS}, got {cpu_weights!r}")
         vllm = _import_vllm()
         path = Path(resolve_model_path(model))
         if not path.is_dir():
@@ -183,6 +192,8 @@ class VLLMEngine:
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         _bind_views(self.model, hf_named_views(vllm_model), path)
+        packs = cpu_weights == "packed" and self.device.type == "cpu"
+        self.packed_weights = PackedLinearWeights(vllm_model) if packs else None
         self.model.eval().requires_grad_(False)
         if (path / "generation_config.json").is_file():
             self.model.generation_config = GenerationConfig.from_pretrained(path)
@@ -195,6 +206,11 @@ class VLLMEngine:
         """The weights may have changed since the last rollout: drop every cached prefix computed under them."""
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
+
+    def repack_changed_weights(self) -> int:
+        """Before a generation: rebuild the packed copies of the layers written since their last pack (packed mode
+        on CPU; otherwise there are none). Returns how many layers were repacked."""
+        return self.packed_weights.refresh() if self.packed_weights is not None else 0
 
     def generate(self, tokenizer: Any, prompts: list[str], *, max_new_tokens: int | Sequence[int], greedy: bool = True,
                  temperature: float = 1.0, top_p: float = 1.0, stop_strings: Sequence[str] = (),
@@ -222,6 +238,7 @@ class VLLMEngine:
                 stop=list(stop_strings) or None, include_stop_str_in_output=True,
                 stop_token_ids=[*eos, pad], ignore_eos=False, skip_special_tokens=False,
             ))
+        self.repack_changed_weights()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         eos_set = set(eos)
         return [

@@ -6,14 +6,24 @@ model loads, wraps `vllm.model_executor.layers.utils.dispatch_cpu_unquantized_ge
 keeps its weight and computes `F.linear(x, layer.weight, bias)`: a write into `layer.weight` is what the next
 forward uses. Other layers (MoE expert stacks, conv weights) keep vLLM's dispatch. On CUDA the dispatch is never
 called and vLLM keeps plain weight tensors anyway. vLLM is imported only when called (it is an optional extra).
+
+`PackedLinearWeights` is the faster CPU mode (`vllm_cpu_weights: packed`): the plain weights stay the ones the
+trainer writes, and each linear layer also holds vLLM's own packed copy (vLLM's dispatch with
+`remove_weight=False`), rebuilt before a generation for the layers whose weight changed since its last pack. A
+change is seen through the tensors' autograd version counters: torch's in-place ops bump them, and
+`ParameterSpace` bumps them for its kernels' raw-address writes, so no write is missed.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from copes.errors import UserError
 
 WORKER_EXTENSION = "copes.rollout.vllm_worker.CoPESWorkerExtension"
 
@@ -33,7 +43,61 @@ def keep_plain_linear_weights() -> None:
         vllm_dispatch(layer, remove_weight)
 
     plain_linear_dispatch.keeps_plain_weights = True  # type: ignore[attr-defined]
+    plain_linear_dispatch.vllm_dispatch = vllm_dispatch  # type: ignore[attr-defined]
     layer_utils.dispatch_cpu_unquantized_gemm = plain_linear_dispatch
+
+
+def _vllm_linear_dispatch() -> Callable[[torch.nn.Module, bool], None]:
+    """vLLM's own CPU GEMM dispatch, the one the plain-weight patch wraps."""
+    from vllm.model_executor.layers import utils as layer_utils
+
+    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+    return getattr(dispatch, "vllm_dispatch", dispatch)
+
+
+class PackedLinearWeights:
+    """vLLM's packed GEMM copies of `vllm_model`'s plain linear weights, kept current by `refresh()`.
+
+    Costs one more copy of every linear weight, and a repack of each layer whose weight changed; a layer's first
+    pack is at the first refresh."""
+
+    def __init__(self, vllm_model: torch.nn.Module) -> None:
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        def runs_gemms(module: torch.nn.Module) -> bool:  # an input embedding has a cpu_linear it never calls
+            return not isinstance(module, VocabParallelEmbedding) or isinstance(module, ParallelLMHead)
+
+        self.layers = {name: module for name, module in vllm_model.named_modules()
+                       if getattr(module, "cpu_linear", None) is F.linear and module.weight.ndim == 2
+                       and runs_gemms(module)}
+        self._packed_versions: dict[str, int] = {}  # layer name -> its weight's version when it was packed
+        self._dispatch = _vllm_linear_dispatch()
+        self.repacked_layers = 0  # layer packs so far, first packs included
+        self.repack_seconds = 0.0
+
+    def refresh(self) -> int:
+        """Repack every layer whose weight was written since its last pack; returns how many were."""
+        started = time.perf_counter()
+        repacked = 0
+        for name, layer in self.layers.items():
+            version = layer.weight._version
+            if self._packed_versions.get(name) != version:
+                self._pack(name, layer)
+                self._packed_versions[name] = version
+                repacked += 1
+        self.repacked_layers += repacked
+        self.repack_seconds += time.perf_counter() - started
+        return repacked
+
+    def _pack(self, name: str, layer: torch.nn.Module) -> None:
+        bias = getattr(layer, "bias", None)
+        bias_address = None if bias is None else bias.data_ptr()
+        self._dispatch(layer, False)  # remove_weight=False: the plain weight stays, and stays the trainer's
+        # vLLM's sgl-kernel path (CPUs with AMX) moves a 16-bit bias into new float32 storage: the trainer's view
+        # of the bias would then no longer be what the layer adds.
+        if bias is not None and layer.bias.data_ptr() != bias_address:
+            raise UserError(f"vLLM's packed GEMM for {name} moves its bias to new storage the trainer cannot "
+                            "perturb; use vllm_cpu_weights: plain")
 
 
 class CoPESWorkerExtension:
