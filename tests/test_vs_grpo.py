@@ -101,3 +101,16 @@ def test_memory_of_one_grpo_update_exceeds_one_es_member():
     member = vs_grpo.measure_memory(("ES member", 128, 2, 4))
     assert grpo["parameters"] == member["parameters"] > 4_000_000
     assert grpo["peak_mib"] > member["peak_mib"] > 0
+
+
+def test_the_default_run_writes_the_race_and_the_memory_measured_beside_it(tmp_path, monkeypatch, capsys):
+    import harness
+
+    for module in (harness, vs_grpo):
+        monkeypatch.setattr(module, "RESULTS_DIR", tmp_path)
+    vs_grpo.main(["--methods", "CoPES", "--seeds", "1", "--budget-s", "1", "--evaluations", "1", "--eval-size", "8",
+                  "--workers", "1", "--lengths", "32", "--new-tokens", "2", "--name", "smoke"])
+    written = {path.name for path in tmp_path.iterdir()}
+    assert {"smoke.png", vs_grpo.MEMORY_PLOT_NAME} <= written
+    assert any(name.startswith("smoke_curves") for name in written) and any(name.startswith("vs_grpo_memory") for name in written)
+    assert "bench/vs_grpo.py --part both took" in capsys.readouterr().out
