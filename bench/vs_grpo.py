@@ -31,6 +31,7 @@ import multiprocessing
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -293,7 +294,7 @@ def _finish(fig: Any, axis: Any, path: Path, title: str, xlabel: str, ylabel: st
     import matplotlib.pyplot as plt
 
     axis.set(xlabel=xlabel, ylabel=ylabel)
-    axis.set_title(title, fontsize=9)
+    axis.set_title(textwrap.fill(title, 100), fontsize=8)
     axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
