@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli_runs import FAST_FLAGS, MODEL, assert_same_weights, copes_run, final_weights, metrics_without_time
-from copes.config import ConfigError
-from copes.journal import JournalContents, JournalWriter, encode, journal_path, read_journal, resume_config
+from copes.config import ConfigError, build_config
+from copes.journal import (JournalContents, JournalWriter, check_same_run, encode, journal_path, read_journal,
+                           resume_config)
 from copes.modeling import resolve_model_path
 from copes.replay import replay_run, replay_steps
 from copes.strategies import CoPES
@@ -351,6 +352,15 @@ def test_resume_takes_the_runs_own_settings_and_lets_other_options_change(refere
         resume_config(reference, {}, {"output_dir": str(tmp_path)})
     with pytest.raises(ConfigError, match=r"belongs to a different run: chunk_size=4096 there, 512 here"):
         resume_config(reference, {"chunk_size": 512}, {})
+
+
+def test_a_journal_from_before_an_option_existed_resumes_with_its_default(reference):
+    header = read_journal(reference).header
+    older = {**header, "config": {k: v for k, v in header["config"].items() if k not in ("antithetic", "optimizer")}}
+    cfg = resume_config(reference, {}, {})
+    check_same_run(reference, older, cfg)  # absent keys are the defaults the run had
+    with pytest.raises(ConfigError, match=r"belongs to a different run: antithetic=False there, True here"):
+        check_same_run(reference, older, build_config({**header["config"], "antithetic": True}))
 
 
 def test_a_header_from_another_config_is_refused_in_one_line(reference):
