@@ -413,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--grpo-lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3], help="GRPO learning rates swept on seed 0")
     parser.add_argument("--evaluations", type=int, default=5, help="held-out evaluations per run after the first")
     parser.add_argument("--eval-size", type=int, default=2000,
-                        help="validation problems per evaluation (the preset's split has 2000)")
+                        help="validation problems per evaluation (the arithmetic task's split has 2000)")
     parser.add_argument("--workers", type=int, default=2, help="runs at once (one torch thread each)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     parser.add_argument("--memory-batch", type=int, default=4)
