@@ -41,10 +41,10 @@ def test_a_cached_hub_model_loads_offline(tmp_path):
 
 def test_banner_names_standard_es_for_one_subspace_and_eval_size_beyond_the_split_is_said(tmp_path):
     result = copes_run("--algorithm", "copes", "--subspaces", "1", "--population", "2", "--steps", "1",
-                       "--eval-size", "600", "--output-dir", str(tmp_path))
+                       "--eval-size", "2100", "--output-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("es on arithmetic: N=2 K=1 "), result.stdout
-    assert "eval_size=600 but the validation split of arithmetic has 500 questions" in result.stderr
+    assert "eval_size=2100 but the validation split of arithmetic has 2000 questions" in result.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert 0 <= summary["training_peak_memory_growth_bytes"] < summary["peak_memory_bytes"]
 
