@@ -10,6 +10,7 @@ collective has a timeout, so a dead or hung rank ends the run with a message ins
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Callable
@@ -73,6 +74,7 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S)
     """Join the process group torchrun set up; None for a plain single-process launch."""
     if not launched_distributed():
         return None
+    _die_with_launcher()
     use_cuda = device != "cpu" and torch.cuda.is_available()
     if use_cuda:
         local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -82,6 +84,20 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), device=local)
+
+
+def _die_with_launcher() -> None:
+    """If the launcher (torchrun's agent, or copes-run --workers) is killed, this rank goes too rather than train
+    on as an orphan beside a resumed run writing the same journal. Linux only; elsewhere a collective's timeout
+    ends it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <sys/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def members_for_rank(population: int, rank: int, world_size: int) -> list[int]:
