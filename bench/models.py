@@ -1,7 +1,7 @@
 """The benchmarks' models and token workloads.
 
 Models:
-  tiny   the embedded default model (`copes.modeling.load_model("tiny")`, Qwen3 architecture, 264K parameters),
+  tiny   the embedded default model (`copes.modeling.load_model("tiny")`, Qwen3 architecture, 66.6K parameters),
          or any model folder given with --tiny-model.
   large  a random ~100M-parameter Qwen3.5-architecture model (transformers' Qwen3_5ForCausalLM: three gated
          delta-net linear-attention layers per full-attention layer), built locally from a config, never

@@ -14,7 +14,7 @@ threads. Per dtype it reports, best of --repeats rounds after a warm-up round, t
 
 The reward of a member is the mean id of its generated tokens: continuous, so every step really updates.
 
-    python bench/rollout_engines.py                  # fp32 and bf16, 64 prompts x 32 tokens, 1 thread
+    python bench/rollout_engines.py                  # fp32 and bf16, 64 prompts of 32 tokens, 128 new, 1 thread
     python bench/rollout_engines.py --threads 2 --dtypes float32
 
 Needs vLLM (pip install -e ".[vllm]", see the README). Writes results/rollout_engines_<device>.csv.
@@ -139,7 +139,9 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt")
-    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    # A real step is generation-bound (GSM8K answers run to hundreds of tokens after a ~100-token prompt): at 32
+    # new tokens half of the timed work would be the prompts' prefill.
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
     parser.add_argument("--population", type=int, default=2, help="members of the timed CoPES step (K=2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for every engine")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best kept) after one warm-up")

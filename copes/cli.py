@@ -18,7 +18,7 @@ from typing import Any
 import click
 import yaml
 
-from copes.config import ConfigError, TrainConfig, build_config, read_yaml
+from copes.config import FIELD_NAMES, ConfigError, TrainConfig, build_config, read_yaml
 from copes.errors import UserError
 
 USER_ERROR_STATUS = 2
@@ -115,6 +115,25 @@ def _config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
     return cfg
 
 
+def _run_as_workers(cfg: TrainConfig, resume: str | None, quiet: bool) -> int:
+    """This copes-run again as `cfg.workers` local ranks, each reading the settings resolved here; returns the exit
+    status (a failed rank's: its own stderr says why)."""
+    import torch
+
+    from copes.distributed import launch_local_ranks
+    from copes.modeling import resolve_device
+
+    if resolve_device(cfg.device).type == "cuda" and torch.cuda.device_count() < cfg.workers:
+        raise ConfigError(f"--workers {cfg.workers} needs one GPU each; this machine has {torch.cuda.device_count()}")
+    used = set(FIELD_NAMES) - set(cfg.ignored_options(FIELD_NAMES))  # unused ones would warn again in every rank
+    settings = {name: value for name, value in cfg.to_dict().items() if name in used}
+    with tempfile.TemporaryDirectory(prefix="copes-workers-") as folder:
+        config_file = Path(folder) / "config.yaml"
+        config_file.write_text(yaml.safe_dump(settings), encoding="utf-8")
+        args = ["--config", str(config_file), *(["--resume", resume] if resume else []), *(["--quiet"] if quiet else [])]
+        return launch_local_ranks(cfg.workers, ["-c", "from copes.cli import run_command; run_command()", *args])
+
+
 @click.command(context_settings=COMMAND_SETTINGS)
 @config_options()
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of options (flags override it)")
@@ -132,6 +151,13 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
         cfg = resume_config(resume, read_yaml(config_file) if config_file else {}, flags)
     else:
         cfg = _config(config_file, flags)
+    if cfg.workers > 1:
+        from copes.distributed import launched_by_copes_run, launched_distributed
+
+        if not launched_distributed():
+            sys.exit(_run_as_workers(cfg, resume, quiet))
+        if not launched_by_copes_run():
+            raise ConfigError("--workers starts its own ranks; under torchrun leave it at 1")
     trainer = Trainer(cfg, progress=not quiet)
     if resume:
         trainer.resume(resume)

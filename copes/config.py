@@ -96,6 +96,9 @@ class TrainConfig:
                                            "where vLLM reads the plain weights", choices=VLLM_CPU_WEIGHTS,
                                  algorithms=PER_MEMBER_ALGORITHMS)
     cpu_threads: int = _opt(0, "torch intra-op threads on CPU (0: torch's default); tiny models run fastest on 1")
+    workers: int = _opt(1, "processes on this machine that split each step's members (copes-run starts them as "
+                           "torch.distributed ranks, gloo on CPU, one GPU each on CUDA; each holds the whole model "
+                           "and uses --cpu-threads threads); the weights are bitwise those of 1. Under torchrun: 1")
     restore: str = _opt("device", "how a member's perturbation is undone: device backup | host backup | subtract",
                         choices=RESTORE_MODES, algorithms=PER_MEMBER_ALGORITHMS)
     chunk_size: int = _opt(65536, "elements per partition chunk", algorithms=PER_MEMBER_ALGORITHMS)
@@ -141,6 +144,10 @@ class TrainConfig:
                               "every batch row to its own perturbation inside HF forwards, which vLLM does not run")
         if not self.vllm_kv_cache_gib > 0:
             raise ConfigError(f"--vllm-kv-cache-gib must be > 0, got {self.vllm_kv_cache_gib}")
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {self.workers}")
+        if self.workers > 1 and self.rollout_engine == "vllm":
+            raise ConfigError("--rollout-engine vllm runs in one process; use --workers 1 with it")
         if self.cpu_threads < 0:
             raise ConfigError(f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         if min(self.steps, self.eval_size, self.eval_every, self.checkpoint_every, self.sample_every, self.sample_prompts) < 0:

@@ -10,6 +10,9 @@ collective has a timeout, so a dead or hung rank ends the run with a message ins
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,14 +39,42 @@ class DistContext:
         return self.rank == 0
 
 
+# Set for the ranks copes-run's --workers starts, so they know torchrun's world is theirs.
+WORKERS_ENV = "COPES_WORKERS"
+
+
 def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def launched_by_copes_run() -> bool:
+    return os.environ.get(WORKERS_ENV) == os.environ.get("WORLD_SIZE")
+
+
+def launch_local_ranks(ranks: int, python_args: list[str]) -> int:
+    """`python *python_args` as `ranks` ranks on this machine (torch's elastic launcher, rendezvous on localhost, no
+    restarts). Returns the exit status: 0, or that of the first rank that failed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+    os.environ[WORKERS_ENV] = str(ranks)  # the ranks inherit it
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(*python_args)
+    except ChildFailedError as error:
+        _, failure = error.get_first_failure()
+        return failure.exitcode if failure.exitcode > 0 else 1  # below 0: killed by that signal
+    finally:
+        os.environ.pop(WORKERS_ENV, None)
+    return 0
 
 
 def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext | None:
     """Join the process group torchrun set up; None for a plain single-process launch."""
     if not launched_distributed():
         return None
+    _die_with_launcher()
     use_cuda = device != "cpu" and torch.cuda.is_available()
     if use_cuda:
         local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -53,6 +84,20 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), device=local)
+
+
+def _die_with_launcher() -> None:
+    """If the launcher (torchrun's agent, or copes-run --workers) is killed, this rank goes too rather than train
+    on as an orphan beside a resumed run writing the same journal. Linux only; elsewhere a collective's timeout
+    ends it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <sys/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def members_for_rank(population: int, rank: int, world_size: int) -> list[int]:

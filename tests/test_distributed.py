@@ -92,19 +92,38 @@ def test_a_rank_that_never_answers_ends_in_a_clear_timeout():
     assert results[0].startswith("step 7: comparing weight checksums failed — another rank died, hung")
 
 
-@pytest.mark.parametrize("algorithm, population, subspaces", [("copes", "6", "2"), ("es", "5", "1")])
-def test_torchrun_two_processes_match_one_process_bitwise(algorithm, population, subspaces, tmp_path):
-    """The console script under torchrun (2 gloo ranks, uneven split for N=5) ends with the single-process weights."""
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+@pytest.mark.parametrize("algorithm, population, subspaces, launch", [
+    ("copes", "6", "2", "torchrun"), ("es", "5", "1", "torchrun"), ("copes", "6", "2", "workers")])
+def test_two_processes_match_one_process_bitwise(algorithm, population, subspaces, launch, tmp_path):
+    """The console script as 2 gloo ranks — under torchrun, or started by its own --workers 2 — ends with the
+    single-process weights and metrics (N=5: an uneven split)."""
     from cli_runs import FAST_FLAGS, MODEL, assert_same_weights, copes_run, final_weights, metrics_without_time
 
     flags = ["--algorithm", algorithm, "--population", population, "--subspaces", subspaces, "--steps", "2",
              "--checkpoint-every", "0", "--eval-size", "8"]
     single = copes_run(*flags, "--output-dir", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command = [*launcher, shutil.which("copes-run"), "--model", MODEL, *FAST_FLAGS, *flags,
-               "--device", "cpu", "--output-dir", str(tmp_path / "pair")]
+    pair_flags = [*FAST_FLAGS, *flags, "--device", "cpu", "--output-dir", str(tmp_path / "pair")]
+    if launch == "torchrun":
+        command = [*TORCHRUN, shutil.which("copes-run"), "--model", MODEL, *pair_flags]
+    else:
+        command = [shutil.which("copes-run"), "--model", MODEL, *pair_flags, "--workers", "2"]
     pair = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert pair.returncode == 0, pair.stderr[-3000:]
     assert_same_weights(final_weights(tmp_path / "pair"), final_weights(tmp_path / "single"))
     assert metrics_without_time(tmp_path / "pair") == metrics_without_time(tmp_path / "single")
+    if launch == "workers":  # rank 0 speaks for both, once
+        assert pair.stdout.count("held-out accuracy") == 1, pair.stdout
+
+
+def test_workers_under_torchrun_is_refused_in_one_line(tmp_path):
+    from cli_runs import FAST_FLAGS, MODEL
+
+    command = [*TORCHRUN, shutil.which("copes-run"), "--model", MODEL, *FAST_FLAGS, "--steps", "1", "--workers", "2",
+               "--device", "cpu", "--output-dir", str(tmp_path / "run")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "error: --workers starts its own ranks; under torchrun leave it at 1" in result.stderr

@@ -157,14 +157,17 @@ def test_subtract_restore_resumes_mid_step_bitwise(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_killed_mid_step_resume_bitwise(reference, tmp_path):
+@pytest.mark.parametrize("launch", ["torchrun", "workers"])
+def test_two_ranks_killed_mid_step_resume_bitwise(launch, reference, tmp_path):
     """Rank 0 journals its own members as they are scored and the other rank's after the gather; killing the
-    whole process group mid-step and resuming with 2 ranks ends with the single-process weights."""
+    whole process group mid-step and resuming with 2 ranks (torchrun's, or those `--workers 2` starts, which the
+    resume takes from the run's own settings) ends with the single-process weights."""
     run_dir = tmp_path / "pair"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    launcher, workers = (torchrun, []) if launch == "torchrun" else ([], ["--workers", "2"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = [*launcher, shutil.which("copes-run"), "--model", MODEL, *FAST_FLAGS, *STEPS, "--device", "cpu",
-             "--output-dir", str(run_dir)]
+             "--output-dir", str(run_dir), *workers]
     group = subprocess.Popen(start, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     # Step 1 is complete and rank 0 has scored a member of step 2: the other rank's members are in flight.
