@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,6 +20,8 @@ FAST_FLAGS = [
     "--max-new-tokens", "6", "--cpu-threads", "1", "--sigma", "0.03", "--lr", "0.01", "--quiet",
 ]
 MODEL = os.environ.get("COPES_TEST_MODEL", "tiny")
+# Two gloo ranks of a command on this machine, through torch's own launcher.
+TORCHRUN_PAIR = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
 def copes_run(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

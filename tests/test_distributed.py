@@ -5,7 +5,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -92,15 +91,12 @@ def test_a_rank_that_never_answers_ends_in_a_clear_timeout():
     assert results[0].startswith("step 7: comparing weight checksums failed — another rank died, hung")
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-
-
 @pytest.mark.parametrize("algorithm, population, subspaces, launch", [
     ("copes", "6", "2", "torchrun"), ("es", "5", "1", "torchrun"), ("copes", "6", "2", "workers")])
 def test_two_processes_match_one_process_bitwise(algorithm, population, subspaces, launch, tmp_path):
     """The console script as 2 gloo ranks — under torchrun, or started by its own --workers 2 — ends with the
     single-process weights and metrics (N=5: an uneven split)."""
-    from cli_runs import FAST_FLAGS, MODEL, assert_same_weights, copes_run, final_weights, metrics_without_time
+    from cli_runs import FAST_FLAGS, MODEL, TORCHRUN_PAIR, assert_same_weights, copes_run, final_weights, metrics_without_time
 
     flags = ["--algorithm", algorithm, "--population", population, "--subspaces", subspaces, "--steps", "2",
              "--checkpoint-every", "0", "--eval-size", "8"]
@@ -108,7 +104,7 @@ def test_two_processes_match_one_process_bitwise(algorithm, population, subspace
     assert single.returncode == 0, single.stderr
     pair_flags = [*FAST_FLAGS, *flags, "--device", "cpu", "--output-dir", str(tmp_path / "pair")]
     if launch == "torchrun":
-        command = [*TORCHRUN, shutil.which("copes-run"), "--model", MODEL, *pair_flags]
+        command = [*TORCHRUN_PAIR, shutil.which("copes-run"), "--model", MODEL, *pair_flags]
     else:
         command = [shutil.which("copes-run"), "--model", MODEL, *pair_flags, "--workers", "2"]
     pair = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -120,9 +116,9 @@ def test_two_processes_match_one_process_bitwise(algorithm, population, subspace
 
 
 def test_workers_under_torchrun_is_refused_in_one_line(tmp_path):
-    from cli_runs import FAST_FLAGS, MODEL
+    from cli_runs import FAST_FLAGS, MODEL, TORCHRUN_PAIR
 
-    command = [*TORCHRUN, shutil.which("copes-run"), "--model", MODEL, *FAST_FLAGS, "--steps", "1", "--workers", "2",
+    command = [*TORCHRUN_PAIR, shutil.which("copes-run"), "--model", MODEL, *FAST_FLAGS, "--steps", "1", "--workers", "2",
                "--device", "cpu", "--output-dir", str(tmp_path / "run")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0

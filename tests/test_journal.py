@@ -10,7 +10,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cli_runs import FAST_FLAGS, MODEL, assert_same_weights, copes_run, final_weights, metrics_without_time
+from cli_runs import FAST_FLAGS, MODEL, TORCHRUN_PAIR, assert_same_weights, copes_run, final_weights, metrics_without_time
 from copes.config import ConfigError, build_config
 from copes.journal import (JournalContents, JournalWriter, check_same_run, encode, journal_path, read_journal,
                            resume_config)
@@ -163,8 +162,7 @@ def test_two_ranks_killed_mid_step_resume_bitwise(launch, reference, tmp_path):
     whole process group mid-step and resuming with 2 ranks (torchrun's, or those `--workers 2` starts, which the
     resume takes from the run's own settings) ends with the single-process weights."""
     run_dir = tmp_path / "pair"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    launcher, workers = (torchrun, []) if launch == "torchrun" else ([], ["--workers", "2"])
+    launcher, workers = (TORCHRUN_PAIR, []) if launch == "torchrun" else ([], ["--workers", "2"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = [*launcher, shutil.which("copes-run"), "--model", MODEL, *FAST_FLAGS, *STEPS, "--device", "cpu",
              "--output-dir", str(run_dir), *workers]
