@@ -3,21 +3,32 @@ vLLM with plain linear weights (F.linear, as HF) and with packed ones (vLLM's on
 weight change).
 
 Same random ~100M-parameter Qwen3 model (built locally, saved once, loaded by every engine), same prompts, same
-lengths (every row generates exactly --new-tokens greedy tokens: EOS is ignored on every engine), same torch
-threads. Per dtype it reports, best of --repeats rounds after a warm-up round, the engines alternating each round:
+lengths (every row generates exactly its number of greedy tokens: EOS is ignored on every engine), same torch
+threads. Two workloads (--workloads):
 
-  tokens/s     the prompt batch's generated tokens / seconds of one batched greedy generation (weights unchanged
-               since the last one: no repack)
+  uniform      --prompts prompts of --prompt-tokens random tokens, each row generating --new-tokens: vLLM's
+               least favourable case, as no row ends before another
+  gsm8k        the shape of a real step's batch: the first --prompts GSM8K test problems, row i's prompt as long
+               as its question and its generation as long as its reference solution (at 4 characters per token,
+               the usual BPE rate; the tokens themselves are random, the model being random). Rows end at
+               different lengths, as greedy rows end at EOS: HF `generate` keeps computing a finished row until
+               the batch's longest ends (so does copes' HF engine), vLLM drops it and batches the rest
+
+Per dtype and workload it reports, best of --repeats rounds after a warm-up, the engines alternating each round:
+
+  tokens/s     the batch's generated tokens (the rows' own lengths summed) / seconds of one batched greedy
+               generation (weights unchanged since the last one: no repack)
   step s       one CoPES step (--population members, each: perturb, roll out the batch, restore; then the
                update), and inside it the seconds of perturb + restore, which vLLM pays on its own storage, and
                of the packed engine's repacks (one per member: its weights changed since the last rollout)
 
 The reward of a member is the mean id of its generated tokens: continuous, so every step really updates.
 
-    python bench/rollout_engines.py                  # fp32 and bf16, 64 prompts of 32 tokens, 128 new, 1 thread
-    python bench/rollout_engines.py --threads 2 --dtypes float32
+    python bench/rollout_engines.py                  # fp32 and bf16, both workloads, 1 thread
+    python bench/rollout_engines.py --threads 2 --dtypes float32 --workloads uniform
 
-Needs vLLM (pip install -e ".[vllm]", see the README). Writes results/rollout_engines_<device>.csv.
+Needs vLLM (pip install -e ".[vllm]", see the README) and GSM8K in ../shared/data (or $COPES_DATA_DIR) for the
+gsm8k workload. Writes results/rollout_engines_<device>.csv.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import argparse
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,11 +47,14 @@ from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 import copes
 from copes.modeling import EMBEDDED_MODEL_DIR, load_model
 from copes.rollout.engine import engine_for, load_rollout_model
+from copes.tasks import get_task
 
 ModelShape = dict[str, int]
 # ~100M parameters in the decoder; the vocabulary is the embedded tiny tokenizer's (vLLM detokenizes with it).
 MODEL_SHAPE: ModelShape = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                                num_key_value_heads=2, head_dim=64)
+VLLM_ENGINES = ("vllm-plain", "vllm-packed")
+WORKLOADS = ("uniform", "gsm8k")
 
 
 def build_model_folder(folder: Path, shape: ModelShape) -> int:
@@ -58,34 +73,64 @@ def build_model_folder(folder: Path, shape: ModelShape) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def prompt_batch(prompts: int, length: int, vocab_size: int) -> list[list[int]]:
+@dataclass(frozen=True)
+class Workload:
+    """A batch of prompts (token ids) and the number of tokens each row generates, on every engine."""
+
+    name: str
+    prompts: list[list[int]]
+    new_tokens: list[int]
+
+
+def random_tokens(lengths: list[int], vocab_size: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(2, vocab_size, (prompts, length), generator=generator).tolist()
+    return [torch.randint(2, vocab_size, (length,), generator=generator).tolist() for length in lengths]
 
 
-def hf_rollout(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
-    ids = torch.tensor(prompts)
-    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+# ~4 characters per token: the usual rate of a BPE tokenizer on English text (the bench model's own vocabulary
+# is the 17-symbol tiny tokenizer's, so lengths are taken from the text, not from tokenizing it).
+CHARACTERS_PER_TOKEN = 4
+
+
+def build_workload(name: str, args: argparse.Namespace, vocab_size: int) -> Workload:
+    if name == "uniform":
+        return Workload(name, random_tokens([args.prompt_tokens] * args.prompts, vocab_size),
+                        [args.new_tokens] * args.prompts)
+    problems = get_task("gsm8k").examples("test")[: args.prompts]
+    prompt_lengths = [max(1, len(problem.question) // CHARACTERS_PER_TOKEN) for problem in problems]
+    solution_lengths = [max(1, len(problem.meta["answer"]) // CHARACTERS_PER_TOKEN) for problem in problems]
+    return Workload(name, random_tokens(prompt_lengths, vocab_size), solution_lengths)
+
+
+def hf_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tensor]:
+    # Left padding and a mask, as copes' HF engine batches prompts of different lengths. Every row runs to the
+    # longest row's length (what `generate` computes for rows that ended at EOS too) and is cut to its own.
+    width = max(len(prompt) for prompt in workload.prompts)
+    ids = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in workload.prompts])
+    mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in workload.prompts])
+    longest = max(workload.new_tokens)
+    config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=0,
                               eos_token_id=model.generation_config.eos_token_id)
     with torch.inference_mode():
-        sequences = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return sequences[:, ids.shape[1]:]
+        sequences = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return [row[width:width + length] for row, length in zip(sequences, workload.new_tokens)]
 
 
-def vllm_rollout(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+def vllm_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tensor]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = engine_for(model)
     engine.start_rollout()
     engine.repack_changed_weights()
-    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, temperature=0.0,
-                            detokenize=False)
-    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return torch.tensor([list(output.outputs[0].token_ids) for output in outputs])
+    params = [SamplingParams(max_tokens=length, min_tokens=length, ignore_eos=True, temperature=0.0,
+                             detokenize=False) for length in workload.new_tokens]
+    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in workload.prompts], params,
+                                  use_tqdm=False)
+    return [torch.tensor(output.outputs[0].token_ids) for output in outputs]
 
 
-Rollout = Callable[[torch.nn.Module, list[list[int]], int], torch.Tensor]
+Rollout = Callable[[torch.nn.Module, Workload], list[torch.Tensor]]
 
 
 def repack_seconds(model: torch.nn.Module) -> float:
@@ -94,12 +139,12 @@ def repack_seconds(model: torch.nn.Module) -> float:
     return packed.repack_seconds if packed is not None else 0.0
 
 
-def copes_step(model: torch.nn.Module, rollout: Rollout, prompts: list[list[int]], new_tokens: int,
-               population: int, phases: dict[str, float]) -> None:
+def copes_step(model: torch.nn.Module, rollout: Rollout, workload: Workload, population: int,
+               phases: dict[str, float]) -> None:
     """One CoPES step on `model`; keeps in `phases` the fewest perturb + restore and repack seconds of a step."""
     es = copes.CoPES(model, population=population, num_subspaces=2, sigma=1e-3, lr=5e-4, seed=0)
     repacked_before = repack_seconds(model)
-    stats = es.step(lambda m: rollout(m, prompts, new_tokens).float().mean().item())
+    stats = es.step(lambda m: torch.cat(rollout(m, workload)).float().mean().item())
     step_phases = {"perturb_restore": stats.perturb_seconds + stats.restore_seconds,
                    "repack": repack_seconds(model) - repacked_before}
     for phase, seconds in step_phases.items():
@@ -109,39 +154,43 @@ def copes_step(model: torch.nn.Module, rollout: Rollout, prompts: list[list[int]
 def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int) -> list[dict[str, object]]:
     hf_model, _, _ = load_model(str(folder), device="cpu", dtype=dtype)
     engines: dict[str, tuple[torch.nn.Module, Rollout]] = {"hf": (hf_model, hf_rollout)}
-    for weights in ("plain", "packed"):
+    for weights in [engine.removeprefix("vllm-") for engine in args.engines]:
         views, _, _ = load_rollout_model(str(folder), engine="vllm", device="cpu", dtype=dtype, cpu_threads=args.threads,
                                          kv_cache_gib=args.kv_cache_gib, vllm_cpu_weights=weights)
         engines[f"vllm-{weights}"] = (views, vllm_rollout)
     torch.set_num_threads(args.threads)
-    prompts = prompt_batch(args.prompts, args.prompt_tokens, vocab_size)
-    generate = alternating_best_seconds(
-        {name: (lambda m=m, r=r: r(m, prompts, args.new_tokens)) for name, (m, r) in engines.items()}, args.repeats)
-    phases: dict[str, dict[str, float]] = {name: {} for name in engines}
-    step = alternating_best_seconds(
-        {name: (lambda m=m, r=r, p=phases[name]: copes_step(m, r, prompts, args.new_tokens, args.population, p))
-         for name, (m, r) in engines.items()}, args.repeats)
-    tokens = args.prompts * args.new_tokens
     rows = []
-    for name in engines:
-        rows.append({
-            "dtype": dtype, "engine": name, "threads": args.threads, "prompts": args.prompts,
-            "new_tokens": args.new_tokens, "tokens_per_s": tokens / generate[name],
-            "vs_hf_tokens": generate["hf"] / generate[name], "step_s": step[name],
-            "vs_hf_step": step["hf"] / step[name], "perturb_restore_s": phases[name]["perturb_restore"],
-            "repack_s": phases[name]["repack"],
-        })
+    for workload in [build_workload(name, args, vocab_size) for name in args.workloads]:
+        generate = alternating_best_seconds(
+            {name: (lambda m=m, r=r: r(m, workload)) for name, (m, r) in engines.items()}, args.repeats)
+        phases: dict[str, dict[str, float]] = {name: {} for name in engines}
+        step = alternating_best_seconds(
+            {name: (lambda m=m, r=r, p=phases[name]: copes_step(m, r, workload, args.population, p))
+             for name, (m, r) in engines.items()}, args.repeats)
+        for name in engines:
+            rows.append({
+                "dtype": dtype, "workload": workload.name, "engine": name, "threads": args.threads,
+                "prompts": len(workload.prompts), "generated_tokens": sum(workload.new_tokens),
+                "longest": max(workload.new_tokens), "tokens_per_s": sum(workload.new_tokens) / generate[name],
+                "vs_hf_tokens": generate["hf"] / generate[name], "step_s": step[name],
+                "vs_hf_step": step["hf"] / step[name], "perturb_restore_s": phases[name]["perturb_restore"],
+                "repack_s": phases[name]["repack"],
+            })
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--engines", nargs="+", default=list(VLLM_ENGINES), choices=VLLM_ENGINES,
+                        help="the vLLM engines measured beside hf")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
+                        help="uniform: every row the same lengths; gsm8k: GSM8K's ragged lengths")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
-    parser.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt (uniform workload)")
     # A real step is generation-bound (GSM8K answers run to hundreds of tokens after a ~100-token prompt): at 32
     # new tokens half of the timed work would be the prompts' prefill.
-    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt (uniform workload)")
     parser.add_argument("--population", type=int, default=2, help="members of the timed CoPES step (K=2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for every engine")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best kept) after one warm-up")
@@ -152,7 +201,7 @@ def main() -> None:
         parameters = build_model_folder(Path(folder), MODEL_SHAPE)
         vocab_size = Qwen3Config.from_pretrained(folder).vocab_size
         rows = [row for dtype in args.dtypes for row in measure(Path(folder), dtype, args, vocab_size)]
-    report("rollout_engines", rows, f"hf vs vllm (plain, packed) rollouts, random Qwen3 of {parameters / 1e6:.1f}M parameters; "
+    report("rollout_engines", rows, f"hf vs {', '.join(args.engines)} rollouts, random Qwen3 of {parameters / 1e6:.1f}M parameters; "
                                     f"{machine_note()}; {time.perf_counter() - started:.0f}s")
 
 

@@ -175,7 +175,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 
 
 @click.command(context_settings=COMMAND_SETTINGS)
-@config_options("model", "tools", "unsafe_sandbox", "max_new_tokens", "device", "dtype", "rollout_engine",
+@config_options("model", "tools", "unsafe_sandbox", "max_new_tokens", "device", "dtype", "cpu_threads", "rollout_engine",
                 "vllm_kv_cache_gib", "vllm_cpu_weights", "data_dir", field_defaults=True)
 @click.option("--task", "tasks", multiple=True, default=["arithmetic"], help="task to evaluate (repeatable)")
 @click.option("--split", default="test", help="split to evaluate")
@@ -189,9 +189,11 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 @user_errors
 def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | None, samples: int, temperature: float,
                  ks: tuple[int, ...], tools: bool, unsafe_sandbox: bool, max_new_tokens: int, batch_size: int, device: str, dtype: str,
-                 rollout_engine: str, vllm_kv_cache_gib: float, vllm_cpu_weights: str, data_dir: str | None,
+                 cpu_threads: int, rollout_engine: str, vllm_kv_cache_gib: float, vllm_cpu_weights: str, data_dir: str | None,
                  output: str | None, seed: int) -> None:
     """Evaluate a model: greedy accuracy, or pass@k with the unbiased estimator over several samples."""
+    import torch
+
     from copes.components import build_tools
     from copes.evaluation import evaluate, format_table
     from copes.metrics import PhaseTimer
@@ -202,9 +204,12 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
     if samples < 1 or any(k < 1 or k > samples for k in ks):
         raise ConfigError(f"every --k must be between 1 and --samples ({samples}), got {list(ks)}")
     engine = build_config({"rollout_engine": rollout_engine, "vllm_kv_cache_gib": vllm_kv_cache_gib,
-                           "vllm_cpu_weights": vllm_cpu_weights})  # the engine settings' checks, as copes-run's
-    lm, tokenizer, _ = load_rollout_model(model, engine=engine.rollout_engine, device=device, dtype=dtype,
-                                          kv_cache_gib=engine.vllm_kv_cache_gib, vllm_cpu_weights=engine.vllm_cpu_weights)
+                           "vllm_cpu_weights": vllm_cpu_weights, "cpu_threads": cpu_threads})  # copes-run's checks
+    lm, tokenizer, lm_device = load_rollout_model(model, engine=engine.rollout_engine, device=device, dtype=dtype,
+                                                  cpu_threads=engine.cpu_threads, kv_cache_gib=engine.vllm_kv_cache_gib,
+                                                  vllm_cpu_weights=engine.vllm_cpu_weights)
+    if lm_device.type == "cpu" and engine.cpu_threads:
+        torch.set_num_threads(engine.cpu_threads)
     results = {}
     for name in tasks:
         task = get_task(name, **({"data_dir": data_dir} if data_dir else {}))

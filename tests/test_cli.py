@@ -166,3 +166,23 @@ def test_train_runs_a_whole_copes_run_from_python(tmp_path):
     assert summary["steps"] == 1 and summary["eval_after"]["accuracy"] is not None
     assert {"held_out", "rollout", "update"} <= summary["phase_seconds"].keys()
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
+
+
+def test_copes_eval_sets_cpu_threads_as_copes_run_does(tmp_path):
+    """copes-eval --cpu-threads N runs on N torch threads; a negative count is one sentence and status 2."""
+    from click.testing import CliRunner
+
+    from copes.cli import eval_command
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that the flag's 1 is a change the test can see
+    try:
+        result = CliRunner().invoke(eval_command, ["--cpu-threads", "1", "--limit", "2",
+                                                   "--output", str(tmp_path / "scores.json")])
+        assert result.exit_code == 0, result.output
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    refused = CliRunner().invoke(eval_command, ["--cpu-threads", "-1"])
+    assert refused.exit_code == 2, refused.output
+    assert "--cpu-threads must be >= 0, got -1" in refused.output and "Traceback" not in refused.output
