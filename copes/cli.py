@@ -192,8 +192,6 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
                  cpu_threads: int, rollout_engine: str, vllm_kv_cache_gib: float, vllm_cpu_weights: str, data_dir: str | None,
                  output: str | None, seed: int) -> None:
     """Evaluate a model: greedy accuracy, or pass@k with the unbiased estimator over several samples."""
-    import torch
-
     from copes.components import build_tools
     from copes.evaluation import evaluate, format_table
     from copes.metrics import PhaseTimer
@@ -205,11 +203,9 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
         raise ConfigError(f"every --k must be between 1 and --samples ({samples}), got {list(ks)}")
     engine = build_config({"rollout_engine": rollout_engine, "vllm_kv_cache_gib": vllm_kv_cache_gib,
                            "vllm_cpu_weights": vllm_cpu_weights, "cpu_threads": cpu_threads})  # copes-run's checks
-    lm, tokenizer, lm_device = load_rollout_model(model, engine=engine.rollout_engine, device=device, dtype=dtype,
-                                                  cpu_threads=engine.cpu_threads, kv_cache_gib=engine.vllm_kv_cache_gib,
-                                                  vllm_cpu_weights=engine.vllm_cpu_weights)
-    if lm_device.type == "cpu" and engine.cpu_threads:
-        torch.set_num_threads(engine.cpu_threads)
+    lm, tokenizer, _ = load_rollout_model(model, engine=engine.rollout_engine, device=device, dtype=dtype,
+                                          cpu_threads=engine.cpu_threads, kv_cache_gib=engine.vllm_kv_cache_gib,
+                                          vllm_cpu_weights=engine.vllm_cpu_weights)
     results = {}
     for name in tasks:
         task = get_task(name, **({"data_dir": data_dir} if data_dir else {}))

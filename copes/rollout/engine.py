@@ -60,14 +60,19 @@ def load_rollout_model(
 ) -> tuple[torch.nn.Module, Any, torch.device]:
     """(model, tokenizer, device) as `load_model` gives them; with engine="vllm" the model's parameters are views
     of the vLLM engine's weights and its rollouts run in that engine (on CPU, with `vllm_cpu_weights` linear
-    weights: "plain" or "packed", see copes.rollout.vllm_engine)."""
+    weights: "plain" or "packed", see copes.rollout.vllm_engine). On CPU, `cpu_threads` (0: torch's default) sets
+    torch's intra-op threads."""
     if engine == "hf":
-        return load_model(model, device=device, dtype=dtype)
-    if engine != "vllm":
-        raise ValueError(f"engine must be one of {ROLLOUT_ENGINES}, got {engine!r}")
-    from copes.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
+        loaded = load_model(model, device=device, dtype=dtype)
+    elif engine == "vllm":
+        from copes.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
 
-    vllm_engine = VLLMEngine(model, device=device, dtype=dtype, cpu_threads=cpu_threads, kv_cache_gib=kv_cache_gib,
-                             max_context_tokens=max_context_tokens, cpu_weights=vllm_cpu_weights)
-    attach_engine(vllm_engine.model, vllm_engine)
-    return vllm_engine.model, vllm_engine.tokenizer, vllm_engine.device
+        vllm_engine = VLLMEngine(model, device=device, dtype=dtype, cpu_threads=cpu_threads, kv_cache_gib=kv_cache_gib,
+                                 max_context_tokens=max_context_tokens, cpu_weights=vllm_cpu_weights)
+        attach_engine(vllm_engine.model, vllm_engine)
+        loaded = vllm_engine.model, vllm_engine.tokenizer, vllm_engine.device
+    else:
+        raise ValueError(f"engine must be one of {ROLLOUT_ENGINES}, got {engine!r}")
+    if loaded[2].type == "cpu" and cpu_threads:
+        torch.set_num_threads(cpu_threads)
+    return loaded
