@@ -9,7 +9,7 @@ import time
 import torch
 from torch import nn
 
-from copes.strategies.copes import CoPES
+from copes.es.strategies.copes import CoPES
 
 torch.set_num_threads(1)
 STEPS, REPORT = 200, (0, 10, 25, 50, 100, 150, 200)

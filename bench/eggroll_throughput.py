@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 import copes
 from copes.modeling import load_model
-from copes.strategies.eggroll import RowMembers
+from copes.es.strategies.eggroll import RowMembers
 
 GOAL_RATIO = 0.91
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}

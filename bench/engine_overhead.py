@@ -20,7 +20,7 @@ import torch
 from harness import DEVICE, POPULATION, SIGMA, SUBSPACES, alternating_best_seconds, machine_note, pin_one_thread, report
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from copes.params import ParameterSpace
+from copes.es.params import ParameterSpace
 
 SEED = 5
 

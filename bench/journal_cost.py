@@ -30,11 +30,11 @@ from models import (LargeModelShape, add_large_model_arguments, build_large_mode
 from safetensors.torch import save_file
 
 import copes
-from copes import checkpoint as ckpt
-from copes.config import build_config
-from copes.journal import JournalContents, JournalWriter, RunJournal, build_header, journal_path, read_journal
-from copes.replay import replay_run, replay_steps
-from copes.trainer import Trainer
+from copes.run import checkpoint as ckpt
+from copes.run.config import build_config
+from copes.run.journal import JournalContents, JournalWriter, RunJournal, build_header, journal_path, read_journal
+from copes.run.replay import replay_run, replay_steps
+from copes.run.trainer import Trainer
 
 
 def folder_bytes(folder: Path) -> int:

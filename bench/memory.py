@@ -39,7 +39,7 @@ from models import (
 from transformers import PreTrainedModel
 
 import copes_kernels as ck
-from copes.params import ParameterSpace
+from copes.es.params import ParameterSpace
 
 SEED, MEMBER = 5, 0
 

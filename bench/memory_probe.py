@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from harness import DEVICE, synchronize
 
-from copes.params import ParameterSpace
+from copes.es.params import ParameterSpace
 
 # glibc's mallopt parameter number for the mmap threshold (malloc.h: M_MMAP_THRESHOLD).
 M_MMAP_THRESHOLD = -3

@@ -18,7 +18,7 @@ import torch
 from harness import DEVICE
 from transformers import GenerationConfig, PreTrainedModel, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from copes.config import TrainConfig, build_config, read_yaml
+from copes.run.config import TrainConfig, build_config, read_yaml
 from copes.modeling import read_preset
 
 # Qwen3.5's attention and linear-attention heads are 64 wide; the head counts follow the hidden size.

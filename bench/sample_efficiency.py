@@ -31,7 +31,7 @@ from harness import RESULTS_DIR, machine_note, pin_one_thread, report, write_csv
 from models import add_preset_arguments, preset_overrides, train_config
 from transformers.utils import logging as hf_logging
 
-from copes.trainer import Trainer
+from copes.run.trainer import Trainer
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "ES (K=1)": {"algorithm": "es"},

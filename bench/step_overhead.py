@@ -40,8 +40,8 @@ from models import (
 )
 
 import copes
-from copes.strategies import StepStats
-from copes.trainer import Trainer, batch_indices
+from copes.es.strategies import StepStats
+from copes.run.trainer import Trainer, batch_indices
 
 GOAL_OVERHEAD = 0.05
 ENGINE_PHASES = ("perturb", "restore", "update")

@@ -116,7 +116,7 @@ def _final_evaluation(trainer: Any, curve: Curve, clock: TrainingClock) -> Curve
 
 
 def es_curve(trainer: Any, curve: Curve, clock: TrainingClock) -> Curve:
-    from copes.trainer import batch_indices
+    from copes.run.trainer import batch_indices
 
     cfg = trainer.cfg
     _evaluate(trainer, curve, clock, 0)
@@ -197,7 +197,7 @@ def run_job(job: Job) -> Curve:
     pin_one_thread()
     from transformers.utils import logging as hf_logging
 
-    from copes.trainer import Trainer
+    from copes.run.trainer import Trainer
 
     hf_logging.set_verbosity_error()
     with tempfile.TemporaryDirectory(prefix="copes-vs-grpo-") as output_dir:
@@ -384,7 +384,7 @@ def _override(text: str) -> tuple[str, Any]:
     """KEY=VALUE with a YAML value (population=128, fitness=joint), as copes-run's mapping options read them."""
     import yaml
 
-    from copes.config import FIELD_NAMES
+    from copes.run.config import FIELD_NAMES
 
     key, sep, value = text.partition("=")
     if not sep or key not in FIELD_NAMES:

@@ -34,7 +34,7 @@ from harness import (
 from memory_probe import PeakMemory, RestoreCheck, compare_weights, reset_weights, snapshot
 from models import add_large_model_arguments, build_large_model, large_model_shape, parameter_count, weight_bytes
 
-from copes.params import ParameterSpace
+from copes.es.params import ParameterSpace
 
 # K = 1 is standard ES; K = SUBSPACES (4, the paper's default) is the only K the naive element masks are built for.
 SUBSPACE_COUNTS = (1, SUBSPACES)

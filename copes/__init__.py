@@ -17,24 +17,26 @@ __version__ = "0.1.0"
 # every `copes.*` import (the CLI's --help took 4.6 s of CPU instead of 0.05 s), so they load on first use; the
 # TYPE_CHECKING imports below show the very same names to IDEs and type checkers.
 _EXPORTS = {
-    "CoPES": "copes.strategies",
-    "CoPESLowRank": "copes.strategies",
-    "EGGROLL": "copes.strategies",
-    "StepPlan": "copes.strategies",
-    "StepStats": "copes.strategies",
-    "Strategy": "copes.strategies",
-    "TrainConfig": "copes.config",
-    "Trainer": "copes.trainer",
+    "CoPES": "copes.es.strategies",
+    "CoPESLowRank": "copes.es.strategies",
+    "EGGROLL": "copes.es.strategies",
+    "ParameterSpace": "copes.es.params",
+    "StepPlan": "copes.es.strategies",
+    "StepStats": "copes.es.strategies",
+    "Strategy": "copes.es.strategies",
+    "TrainConfig": "copes.run.config",
+    "Trainer": "copes.run.trainer",
     "UserError": "copes.errors",
-    "build_config": "copes.config",
-    "train": "copes.trainer",
+    "build_config": "copes.run.config",
+    "train": "copes.run.trainer",
 }
 
 if TYPE_CHECKING:
-    from copes.config import TrainConfig, build_config
+    from copes.run.config import TrainConfig, build_config
     from copes.errors import UserError
-    from copes.strategies import EGGROLL, CoPES, CoPESLowRank, StepPlan, StepStats, Strategy
-    from copes.trainer import Trainer, train
+    from copes.es.params import ParameterSpace
+    from copes.es.strategies import EGGROLL, CoPES, CoPESLowRank, StepPlan, StepStats, Strategy
+    from copes.run.trainer import Trainer, train
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 import click
 import yaml
 
-from copes.config import FIELD_NAMES, ConfigError, TrainConfig, build_config, read_yaml
+from copes.run.config import FIELD_NAMES, ConfigError, TrainConfig, build_config, read_yaml
 from copes.errors import UserError
 
 USER_ERROR_STATUS = 2
@@ -120,7 +120,7 @@ def _run_as_workers(cfg: TrainConfig, resume: str | None, quiet: bool) -> int:
     status (a failed rank's: its own stderr says why)."""
     import torch
 
-    from copes.distributed import launch_local_ranks
+    from copes.run.distributed import launch_local_ranks
     from copes.modeling import resolve_device
 
     if resolve_device(cfg.device).type == "cuda" and torch.cuda.device_count() < cfg.workers:
@@ -143,16 +143,16 @@ def _run_as_workers(cfg: TrainConfig, resume: str | None, quiet: bool) -> int:
 def run_command(config_file: str | None, resume: str | None, quiet: bool, **flags: Any) -> None:
     """Post-train a causal LM with evolution strategies. With no arguments: the embedded tiny model on the
     synthetic arithmetic task with CoPES, on the CPU, in a few minutes."""
-    from copes.trainer import Trainer
+    from copes.run.trainer import Trainer
 
     if resume:
-        from copes.journal import resume_config
+        from copes.run.journal import resume_config
 
         cfg = resume_config(resume, read_yaml(config_file) if config_file else {}, flags)
     else:
         cfg = _config(config_file, flags)
     if cfg.workers > 1:
-        from copes.distributed import launched_by_copes_run, launched_distributed
+        from copes.run.distributed import launched_by_copes_run, launched_distributed
 
         if not launched_distributed():
             sys.exit(_run_as_workers(cfg, resume, quiet))
@@ -192,9 +192,9 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
                  cpu_threads: int, rollout_engine: str, vllm_kv_cache_gib: float, vllm_cpu_weights: str, data_dir: str | None,
                  output: str | None, seed: int) -> None:
     """Evaluate a model: greedy accuracy, or pass@k with the unbiased estimator over several samples."""
-    from copes.components import build_tools
-    from copes.evaluation import evaluate, format_table
-    from copes.metrics import PhaseTimer
+    from copes.run.components import build_tools
+    from copes.run.evaluation import evaluate, format_table
+    from copes.run.metrics import PhaseTimer
     from copes.rollout import AgentConfig
     from copes.rollout.engine import load_rollout_model
     from copes.tasks import get_task
@@ -228,13 +228,13 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
 @user_errors
 def bench_command(config_file: str | None, steps: int, **flags: Any) -> None:
     """Time ES steps by phase and report the engine's overhead (perturb + restore + update) as a fraction."""
-    from copes.trainer import Trainer
+    from copes.run.trainer import Trainer
 
     overrides = {**flags, "steps": steps, "eval_size": 0, "checkpoint_every": 0}
     trainer = Trainer(_config(config_file, overrides), progress=True)
     summary = trainer.train()
     phases = summary["phase_seconds"]
-    from copes.strategies.base import STEP_PHASES
+    from copes.es.strategies.base import STEP_PHASES
 
     step_phases = {phase: phases.get(phase, 0.0) for phase in STEP_PHASES}
     total = sum(step_phases.values()) or 1.0
@@ -256,7 +256,7 @@ def bench_command(config_file: str | None, steps: int, **flags: Any) -> None:
 def replay_command(run_dir: str, step: int | None, output: str, device: str | None, quiet: bool) -> None:
     """Rebuild the weights of a run's step from its base model and journal alone (no generation) and write them
     as a folder AutoModelForCausalLM.from_pretrained loads."""
-    from copes.replay import replay_run
+    from copes.run.replay import replay_run
 
     steps, seconds = replay_run(run_dir, output, step=step, device=device, progress=not quiet)
     click.echo(f"replayed {steps} steps in {seconds:.2f}s ({steps / max(seconds, 1e-9):.1f} steps/s) -> {output}")

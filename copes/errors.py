@@ -5,3 +5,7 @@ so they work the same under the CLI, a YAML file or a programmatic `copes.train(
 
 class UserError(ValueError):
     """A mistake the user must fix; its message is one sentence saying what and where."""
+
+
+class ConfigError(UserError):
+    """A configuration the user must fix; the CLI prints it as one line and exits with status 2."""

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import copes_kernels as ck
-from copes.params import ParameterSpace
+from copes.es.params import ParameterSpace
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -14,7 +14,7 @@ from tiny_models import ScriptedPolicy, build_tiny_tokenizer
 from copes.rollout.agent import AgentConfig, Trajectory, run_agent
 from copes.rollout.generate import generate_batch, prompt_token_counts
 from copes.rollout.templates import render_prompt, tool_results_suffix
-from copes.components import task_corpus
+from copes.run.components import task_corpus
 from copes.tasks import get_task
 from copes.tools import BM25Search, PythonTool, SearchTool
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from tiny_models import ScriptedPolicy, build_tiny_tokenizer, tiny_qwen3
 
-from copes.evaluation import score_rollouts
+from copes.run.evaluation import score_rollouts
 from copes.rewards import extract_answer, format_reward, last_boxed
 from copes.rollout import AgentConfig, parse_tool_calls, run_agent
 from copes.rollout.templates import observation_text

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from copes import checkpoint as ckpt
+from copes.run import checkpoint as ckpt
 from copes.errors import UserError
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from copes.config import ConfigError, TrainConfig, build_config, read_yaml
+from copes.run.config import ConfigError, TrainConfig, build_config, read_yaml
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -112,7 +112,7 @@ def test_choices_come_from_the_field(layer, message):
 def test_antithetic_and_adam_reach_the_strategy():
     from transformers import AutoModelForCausalLM
 
-    from copes.components import build_strategy
+    from copes.run.components import build_strategy
     from copes.modeling import resolve_model_path
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"))

@@ -12,8 +12,8 @@ from torch import nn
 from transformers import Qwen3ForCausalLM
 
 import copes
-from copes.strategies import EGGROLL, PER_MEMBER, WHOLE_POPULATION
-from copes.strategies.copes import CoPES, StepStats, step_seed
+from copes.es.strategies import EGGROLL, PER_MEMBER, WHOLE_POPULATION
+from copes.es.strategies.copes import CoPES, StepStats, step_seed
 from es_helpers import DTYPES, dense_member_noise, flat_weights, toy_mlp
 from tiny_models import tiny_qwen3
 

@@ -11,7 +11,7 @@ import pytest
 from cli_runs import copes_run
 from tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer
 
-from copes.evaluation import evaluate
+from copes.run.evaluation import evaluate
 from copes.rewards import countdown_correct
 from copes.rollout.agent import AgentConfig
 from copes.tasks import get_task

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import copes_kernels as ck
 from copes.modeling import EMBEDDED_MODEL_DIR
-from copes.params import ParameterSpace
+from copes.es.params import ParameterSpace
 
 numba = pytest.importorskip("numba")
 from copes_kernels import cpu  # noqa: E402

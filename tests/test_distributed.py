@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from copes.distributed import (
+from copes.run.distributed import (
     DistributedError,
     check_in_sync,
     gather_member_rewards,

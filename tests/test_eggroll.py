@@ -22,10 +22,10 @@ from tiny_models import tiny_qwen3
 from transformers import Qwen3ForCausalLM
 
 import copes_kernels as ck
-from copes.fitness import shape_fitness
-from copes.params import tensor_id_for
-from copes.strategies import EGGROLL, CoPESLowRank
-from copes.strategies.copes import step_seed
+from copes.es.fitness import shape_fitness
+from copes.es.params import tensor_id_for
+from copes.es.strategies import EGGROLL, CoPESLowRank
+from copes.es.strategies.copes import step_seed
 
 SEED = 7
 

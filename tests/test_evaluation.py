@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from tiny_models import ScriptedPolicy, tiny_qwen3
 
-from copes.evaluation import EvalResult, evaluate, format_table, pass_at_k
+from copes.run.evaluation import EvalResult, evaluate, format_table, pass_at_k
 from copes.rollout.agent import AgentConfig
 from copes.tasks import Example, Score, TaskBase, get_task
 from copes.tools import PythonTool

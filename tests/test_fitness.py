@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from copes.fitness import FITNESS_MODES, sanitize_rewards, shape_fitness
+from copes.es.fitness import FITNESS_MODES, sanitize_rewards, shape_fitness
 
 NAN, INF = math.nan, math.inf
 

@@ -19,12 +19,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cli_runs import FAST_FLAGS, MODEL, TORCHRUN_PAIR, assert_same_weights, copes_run, final_weights, metrics_without_time
-from copes.config import ConfigError, build_config
-from copes.journal import (JournalContents, JournalWriter, check_same_run, encode, journal_path, read_journal,
+from copes.run.config import ConfigError, build_config
+from copes.run.journal import (JournalContents, JournalWriter, check_same_run, encode, journal_path, read_journal,
                            resume_config)
 from copes.modeling import resolve_model_path
-from copes.replay import replay_run, replay_steps
-from copes.strategies import CoPES
+from copes.run.replay import replay_run, replay_steps
+from copes.es.strategies import CoPES
 
 STEPS = ["--steps", "3"]
 POPULATION = 4  # FAST_FLAGS' --population

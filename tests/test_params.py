@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from copes.params import ParameterSpace, tensor_id_for
+from copes.es.params import ParameterSpace, tensor_id_for
 from es_helpers import DTYPES, dense_member_noise, flat_weights, toy_mlp
 
 SEED = 0x1234_5678_9ABC_DEF0

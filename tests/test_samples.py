@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cli_runs import assert_same_weights, copes_run, final_weights, metrics_without_time
 
-from copes.samples import SAMPLES_FILE, RolloutSamples
+from copes.run.samples import SAMPLES_FILE, RolloutSamples
 from copes.tasks import get_task
 
 SAMPLE_PROMPTS = 3

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from copes.config import ConfigError, build_config
+from copes.run.config import ConfigError, build_config
 from copes.errors import UserError
 from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
 

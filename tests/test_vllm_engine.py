@@ -36,7 +36,7 @@ from tiny_models import build_tiny_tokenizer, tiny_qwen3  # noqa: E402
 from copes.cli import eval_command  # noqa: E402
 from copes.errors import UserError  # noqa: E402
 from copes.modeling import load_model  # noqa: E402
-from copes.params import ParameterSpace  # noqa: E402
+from copes.es.params import ParameterSpace  # noqa: E402
 from copes.rollout.engine import engine_for, load_rollout_model  # noqa: E402
 from copes.rollout.generate import generate_batch, prompt_token_counts  # noqa: E402
 

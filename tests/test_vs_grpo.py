@@ -48,7 +48,7 @@ def test_table_and_plot(curves, tmp_path):
 
 
 def test_grpo_really_trains_the_frozen_model_es_loads(tmp_path):
-    from copes.trainer import Trainer
+    from copes.run.trainer import Trainer
 
     trainer = Trainer(vs_grpo.job_config(vs_grpo.Job(vs_grpo.GRPO, 0, 1e-3, 1.0, 1, EVAL_SIZE), str(tmp_path)), progress=False)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -80,7 +80,7 @@ def test_training_clock_counts_this_processs_cpu_seconds_and_keeps_wall_seconds_
 
 
 def test_each_method_runs_its_own_preset_under_the_screening_overrides(tmp_path):
-    from copes.config import read_yaml
+    from copes.run.config import read_yaml
     from copes.modeling import EMBEDDED_MODEL_DIR
 
     eggroll_preset = read_yaml(EMBEDDED_MODEL_DIR / "copes.eggroll.yaml")

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from copes.config import ConfigError
+from copes.errors import ConfigError
 from copes.tools import sandbox_child
 from copes.tools.cgroups import RunCgroup
 

@@ -7,28 +7,32 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from copes.config import ConfigError, TrainConfig
-from copes.metrics import PhaseTimer
+from copes.choices import ALGORITHMS_BY_NAME
+from copes.errors import ConfigError
+from copes.run.config import TrainConfig
+from copes.run.metrics import PhaseTimer
 from copes.tasks import Task, get_task
 
 if TYPE_CHECKING:  # the strategies (and torch) load only when a run builds one
-    from copes.strategies.base import Strategy
+    from copes.es.strategies.base import Strategy
 
 
 def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
-    from copes.strategies import EGGROLL, CoPES, CoPESLowRank
+    from copes.es import strategies
 
     common = dict(population=cfg.population, sigma=cfg.sigma, lr=cfg.lr, seed=cfg.seed,
                   include=cfg.include or None, exclude=cfg.exclude or None)
     if cfg.fitness is not None:  # otherwise each strategy's own default
         common["fitness"] = cfg.fitness
+    algorithm = ALGORITHMS_BY_NAME[cfg.algorithm]
+    if algorithm.per_member:
+        common.update(chunk_size=cfg.chunk_size, restore=cfg.restore, antithetic=cfg.antithetic, optimizer=cfg.optimizer)
+    if algorithm.subspaces or algorithm.per_member:
+        common["num_subspaces"] = cfg.num_subspaces
+    if algorithm.low_rank:
+        common["rank"] = cfg.rank
     try:
-        if cfg.algorithm in ("copes", "es"):
-            return CoPES(model, num_subspaces=cfg.num_subspaces, chunk_size=cfg.chunk_size, restore=cfg.restore,
-                         antithetic=cfg.antithetic, optimizer=cfg.optimizer, **common)
-        if cfg.algorithm == "eggroll":
-            return EGGROLL(model, rank=cfg.rank, **common)
-        return CoPESLowRank(model, num_subspaces=cfg.subspaces, rank=cfg.rank, **common)
+        return getattr(strategies, algorithm.strategy)(model, **common)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -22,8 +22,8 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
-from copes.fitness import FITNESS_MODES, shape_fitness
-from copes.params import ParameterSpace
+from copes.es.fitness import FITNESS_MODES, shape_fitness
+from copes.es.params import ParameterSpace
 
 # Member ids are uint32 noise streams; the kernels reserve the top of that range for non-member streams.
 MAX_POPULATION = 1 << 31

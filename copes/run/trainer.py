@@ -18,22 +18,22 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from copes import checkpoint as ckpt
-from copes.components import build_strategy, build_tools, task_from_config
-from copes.config import ConfigError, TrainConfig, build_config
-from copes.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, init_distributed,
+from copes.run import checkpoint as ckpt
+from copes.run.components import build_strategy, build_tools, task_from_config
+from copes.run.config import ConfigError, TrainConfig, build_config
+from copes.run.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, init_distributed,
                                members_for_rank)
-from copes.evaluation import evaluate
+from copes.run.evaluation import evaluate
 from copes.failpoints import failpoint
-from copes.journal import JournalWriter, RunJournal, build_header, journal_path
-from copes.metrics import MetricsLog, PhaseTimer, log_table, peak_memory_bytes, plot_curves, start_wandb
+from copes.run.journal import JournalWriter, RunJournal, build_header, journal_path
+from copes.run.metrics import MetricsLog, PhaseTimer, log_table, peak_memory_bytes, plot_curves, start_wandb
 from copes.modeling import resolve_model_path
-from copes.replay import replay_member, replays_members, resume_run
+from copes.run.replay import replay_member, replays_members, resume_run
 from copes.rollout import AgentConfig
 from copes.rollout.engine import load_rollout_model
-from copes.samples import SAMPLES_FILE, RolloutSamples
-from copes.scoring import rollouts
-from copes.strategies.base import WHOLE_POPULATION
+from copes.run.samples import SAMPLES_FILE, RolloutSamples
+from copes.run.scoring import rollouts
+from copes.es.strategies.base import WHOLE_POPULATION
 from copes.tasks import Example
 
 
@@ -155,7 +155,7 @@ class Trainer:
 
     def evaluate_member(self, member: int, examples: list[Example], *, sampling: bool = False) -> torch.Tensor:
         """Rewards of one perturbed member; out of memory is retried with half the rollout batch when allowed.
-        At a sampling step the member also answers the sample questions (copes.samples)."""
+        At a sampling step the member also answers the sample questions (copes.run.samples)."""
         def fitness(model: Any) -> list[float]:
             failpoint("rollout")  # crash tests: die as the rollout starts; counted to find recomputed members
             if sampling:

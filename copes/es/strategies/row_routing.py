@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import copes_kernels as ck
-from copes.params import TrainableParameter
+from copes.es.params import TrainableParameter
 
 RowMembers = Callable[[torch.Tensor], contextlib.AbstractContextManager[None]]
 

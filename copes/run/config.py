@@ -16,22 +16,16 @@ from typing import Any
 
 import yaml
 
-from copes.choices import (ALGORITHMS, DTYPES, FITNESS_MODES, OPTIMIZERS, RESTORE_MODES, ROLLOUT_ENGINES, TOOL_FORMATS,
+from copes.choices import (ALGORITHM_TABLE, ALGORITHMS, DTYPES, FITNESS_MODES, LOWRANK_ALGORITHMS, OPTIMIZERS,
+                           PER_MEMBER_ALGORITHMS, RESTORE_MODES, ROLLOUT_ENGINES, SUBSPACE_ALGORITHMS, TOOL_FORMATS,
                            VLLM_CPU_WEIGHTS)
-from copes.errors import UserError
+from copes.errors import ConfigError, UserError
 
 # Where each algorithm-specific option applies; an option set for any other algorithm is ignored (with a warning).
-PER_MEMBER_ALGORITHMS = ("copes", "es")
-LOWRANK_ALGORITHMS = ("eggroll", "copes-lowrank")
-SUBSPACE_ALGORITHMS = ("copes", "copes-lowrank")
 # Options that fix a run's trajectory: a resumed run must share them with the journal it continues.
 RESUME_KEYS = ("model", "task", "task_options", "algorithm", "population", "subspaces", "sigma", "lr", "rank",
                "prompt_batch", "fitness", "antithetic", "optimizer", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens",
                "tool_budgets", "tool_format", "template_kwargs")
-
-
-class ConfigError(UserError):
-    """A configuration the user must fix; the CLI prints it as one line and exits with status 2."""
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
@@ -48,7 +42,7 @@ class TrainConfig:
     model: str = _opt("tiny", "model directory or hub id; 'tiny' is the embedded default model")
     task: str = _opt("arithmetic", "task name (copes.tasks): gsm8k, math, math500, aime24, aime25, hotpotqa, 2wiki, musique, countdown, arithmetic")
     task_options: dict[str, Any] = _opt({}, "keyword options of the task, e.g. qa_metric=em, digit_shaping=0.5, validation_size=500")
-    algorithm: str = _opt("copes", "copes | es (copes with K=1) | eggroll | copes-lowrank", choices=ALGORITHMS)
+    algorithm: str = _opt("copes", " | ".join(f"{a.name} ({a.help})" for a in ALGORITHM_TABLE), choices=ALGORITHMS)
     population: int = _opt(40, "N: perturbed members per step (paper: 40)")
     subspaces: int = _opt(4, "K: random parameter subspaces per step (paper: 4); 1 for es and eggroll",
                           algorithms=SUBSPACE_ALGORITHMS)
@@ -152,7 +146,7 @@ class TrainConfig:
             raise ConfigError(f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         if min(self.steps, self.eval_size, self.eval_every, self.checkpoint_every, self.sample_every, self.sample_prompts) < 0:
             raise ConfigError("--steps, eval_size, eval_every, checkpoint_every, sample_every and sample_prompts must be >= 0")
-        if self.algorithm in ("copes", "copes-lowrank") and self.population % self.subspaces:
+        if self.algorithm in SUBSPACE_ALGORITHMS and self.population % self.subspaces:
             raise ConfigError(
                 f"--population {self.population} is not divisible by --subspaces {self.subspaces}: "
                 "every subspace needs the same number of members"
@@ -166,7 +160,7 @@ class TrainConfig:
 
     @property
     def num_subspaces(self) -> int:
-        return 1 if self.algorithm in ("es", "eggroll") else self.subspaces
+        return self.subspaces if self.algorithm in SUBSPACE_ALGORITHMS else 1
 
     @property
     def method(self) -> str:

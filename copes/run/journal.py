@@ -1,7 +1,7 @@
 """The run journal: every scored member and every applied update, appended and fsynced as it happens.
 
 ES weights after step t are a pure function of the base weights, the seeds and the rewards of steps 1..t, so
-this file (kilobytes per run) is enough to rebuild any step (`copes.replay`) and to resume after SIGKILL losing
+this file (kilobytes per run) is enough to rebuild any step (`copes.run.replay`) and to resume after SIGKILL losing
 at most the member in flight. `<output_dir>/journal` holds one record per line, `<crc32 hex> <json>\\n`:
 
     {"kind": "header", ...}                                    first: everything that fixes the trajectory
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from copes.config import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, build_config
+from copes.run.config import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, build_config
 from copes.failpoints import failpoint
-from copes.params import tensor_id_for
+from copes.es.params import tensor_id_for
 
 JOURNAL_NAME = "journal"
 FORMAT_VERSION = 1

@@ -9,7 +9,7 @@ linear runs as `ck.lowrank_linear` (one base GEMM for the whole batch plus a ran
 sees W_j with j = member_of_row[b]. `fitness_fn(model, row_members)` is called ONCE per step for all N members
 and returns rewards [N] or [N, Q].
 
-Step t (seed_t = copes.strategies.base.step_seed(seed, t), the same seed CoPES would use):
+Step t (seed_t = copes.es.strategies.base.step_seed(seed, t), the same seed CoPES would use):
     groups      ck.make_partition with one chunk per matrix: each matrix -> one of K groups (balanced within one)
     member j    in group k(j) = j % K perturbs only its group's matrices, sigma_k = sqrt(K) * sigma; its rows see
                 a zero correction in every other matrix
@@ -22,7 +22,7 @@ Tied weights: a Parameter shared by an `nn.Linear` and an `nn.Embedding` (lm_hea
 with one noise id; the embedding lookup gets the same per-row correction (A_j[token] B_j^T), so each member
 really evaluates W_j everywhere. Parameter names follow `ParameterSpace`: a tied weight is named once, by its
 first name (`model.embed_tokens.weight`, not `lm_head.weight`). Parameters that are no `nn.Linear` weight
-(norms, biases, untied embeddings) are frozen. The per-row routing lives in `copes.strategies.row_routing`; the
+(norms, biases, untied embeddings) are frozen. The per-row routing lives in `copes.es.strategies.row_routing`; the
 update goes through `ParameterSpace.apply_lowrank_update`, the one writer of trainable weights.
 """
 
@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 import copes_kernels as ck
-from copes.params import ParameterSpace, select_parameters
-from copes.strategies.base import (WHOLE_POPULATION, ESBase, Evaluation, StepPlan, StepStats, population_rewards,
+from copes.es.params import ParameterSpace, select_parameters
+from copes.es.strategies.base import (WHOLE_POPULATION, ESBase, Evaluation, StepPlan, StepStats, population_rewards,
                                    step_seed)
-from copes.strategies.row_routing import (LowRankMatrix, MatrixNoise, RowMembers, find_matrices, linear_weight_names,
+from copes.es.strategies.row_routing import (LowRankMatrix, MatrixNoise, RowMembers, find_matrices, linear_weight_names,
                                           route_rows)
 
 # Factors cost (m + n) * r floats per member and matrix; beyond 16 the low-rank forward stops being cheap.

@@ -9,7 +9,7 @@ Step t:
                 (sigma with scale_sigma=False, the paper's ablation); eps_i is noise stream i, s_i = +1
     antithetic  the j-th member of a subspace pairs with the (j+1)-th for even j: the pair shares the stream of
                 its first member, with s = +1 and -1
-    fitness     r_hat = shape_fitness(rewards) (copes.fitness; joint z-score by default)
+    fitness     r_hat = shape_fitness(rewards) (copes.es.fitness; joint z-score by default)
     gradient    g = sum_k P_k g_k,  g_k = (1/N_k) sum_{i in k} r_hat_i s_i eps_i,  N_k = N / K
     update      SGD: w += lr * g, accumulated chunk by chunk from regenerated noise (no full-size noise buffer);
                 Adam: g materialised slice by slice in fp32, then w += lr * m_hat / (sqrt(v_hat) + adam_eps)
@@ -29,8 +29,8 @@ import torch
 
 import copes_kernels as ck
 from copes.choices import OPTIMIZERS
-from copes.params import ParameterSpace, TrainableParameter
-from copes.strategies.base import (MAX_POPULATION, PER_MEMBER, ESBase, Evaluation, FitnessFn, StepPlan, StepStats,
+from copes.es.params import ParameterSpace, TrainableParameter
+from copes.es.strategies.base import (MAX_POPULATION, PER_MEMBER, ESBase, Evaluation, FitnessFn, StepPlan, StepStats,
                                    step_seed)
 
 __all__ = ["MAX_POPULATION", "OPTIMIZERS", "CoPES", "FitnessFn", "StepPlan", "StepStats", "step_seed"]

@@ -19,14 +19,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from copes import checkpoint as ckpt
-from copes.config import ConfigError, TrainConfig
-from copes.journal import JournalContents, JournalWriter, RunJournal, check_same_model, check_same_run, read_journal
+from copes.choices import PER_MEMBER_ALGORITHMS
+from copes.run import checkpoint as ckpt
+from copes.run.config import ConfigError, TrainConfig
+from copes.run.journal import JournalContents, JournalWriter, RunJournal, check_same_model, check_same_run, read_journal
 
 
 def replays_members(cfg: TrainConfig) -> bool:
     """Whether evaluating a member changes the weights after its restore (only inexact subtract restore does)."""
-    return cfg.algorithm in ("copes", "es") and cfg.restore == "subtract"
+    return cfg.algorithm in PER_MEMBER_ALGORITHMS and cfg.restore == "subtract"
 
 
 def replay_member(strategy: Any, member: int, rewards: torch.Tensor) -> None:
@@ -116,8 +117,8 @@ def replay_run(run_dir: str | Path, output: str | Path, *, step: int | None = No
                progress: bool = True) -> tuple[int, float]:
     """Rebuild the weights of `step` (default: the last) from the base model and the journal alone and write a
     save_pretrained folder; returns (steps replayed, seconds)."""
-    from copes.components import build_strategy
-    from copes.config import FIELD_NAMES, build_config
+    from copes.run.components import build_strategy
+    from copes.run.config import FIELD_NAMES, build_config
     from copes.modeling import load_model
 
     run_dir = Path(run_dir)

@@ -14,7 +14,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from copes.rollout.agent import AgentConfig, Trajectory, derive_seed, run_agent
-from copes.scoring import score_rollouts
+from copes.run.scoring import score_rollouts
 from copes.tasks.base import Example, Score, Task
 from copes.tools import Tool
 

@@ -6,7 +6,7 @@ strategy's tensors and plain values), `trainer_state.json` (step, config, metric
 (sha256 of every file). `checkpoints/latest` names the newest complete checkpoint; it is replaced atomically last,
 so a crash at any point leaves the previous checkpoint current.
 
-Checkpoints are exports: a run's durability rests on its journal (`copes.journal`). Resume starts from the newest
+Checkpoints are exports: a run's durability rests on its journal (`copes.run.journal`). Resume starts from the newest
 intact checkpoint that carries the journal's `run_id` in trainer_state.json, only to shorten the replay.
 """
 

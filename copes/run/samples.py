@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from copes.metrics import records_through_step
+from copes.run.metrics import records_through_step
 from copes.rollout import Trajectory
 from copes.tasks import Example, Score
 

@@ -1,5 +1,5 @@
 """Rewards of one prompt batch: roll the agent out, score every trajectory with the task (also the scoring
-step of held-out evaluation, `copes.evaluation`).
+step of held-out evaluation, `copes.run.evaluation`).
 
 CoPES calls this once per member (the member's perturbation is in the weights); EGGROLL once for the whole
 population, each question repeated per member and every batch row mapped to its member through `row_members`.
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from copes.metrics import PhaseTimer
+from copes.run.metrics import PhaseTimer
 from copes.rollout import AgentConfig, Trajectory, run_agent
 from copes.tasks import Example, Score, Task
 
