@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from tiny_models import ScriptedPolicy, build_tiny_tokenizer, tiny_qwen3
+from tiny_models import ScriptedPolicy, build_tiny_tokenizer
 from transformers import AutoTokenizer
 
 from copes.rollout.agent import AgentConfig, run_agent
@@ -201,7 +201,8 @@ def test_specific_hostile_calls() -> None:
     def parsed(name: str):
         return parse_tool_calls(qwen_call(HOSTILE_CALLS[name][0]), "qwen", tools)[0]
 
-    assert parsed("surrogate query").arguments == {"query": "\ufffd capital of France"} and parsed("surrogate query").valid
+    query = parsed("surrogate query")
+    assert query.valid and query.arguments == {"query": "\ufffd capital of France"}
     assert parsed("surrogate code").arguments == {"code": "print('a\ufffdb')"}
     assert parsed("surrogate name").error == "unknown tool 'sea\ufffdrch'; available: python, search"
     assert parsed("long integer").error == "the tool call is not valid JSON (a number in it has too many digits)"
@@ -230,14 +231,14 @@ FRAGMENTS = [
 ]
 
 
-@pytest.mark.parametrize("fmt_and_template", ["qwen", "tags"])
-def test_random_hostile_call_text_never_raises(fmt_and_template: str) -> None:
+@pytest.mark.parametrize("fmt", ["qwen", "tags"])
+def test_random_hostile_call_text_never_raises(fmt: str) -> None:
     tools = [*parse_only_tools(), _RecordingTool()]
     rng = random.Random(26)
     for _ in range(400):
         body = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 12)))
-        text = qwen_call(body) if fmt_and_template == "qwen" else f"<search>{body}</search><python>{body}</python>"
-        for call in parse_tool_calls(text, fmt_and_template, tools):
+        text = qwen_call(body) if fmt == "qwen" else f"<search>{body}</search><python>{body}</python>"
+        for call in parse_tool_calls(text, fmt, tools):
             assert_valid_json([call.name, call.arguments, call.error])
             assert call.error is None or len(call.error) < 200
 
@@ -412,7 +413,8 @@ def test_a_greedy_rerun_of_the_same_hostile_step_gets_the_same_result(tokenizer,
     }
     tools = [SearchTool(HttpRetriever(hostile_url, timeout_s=5))]
     config = AgentConfig(max_new_tokens=6000, greedy=True)
-    runs = [run_agent(scripted_rows(tokenizer, turns), tokenizer, list(turns), tools=tools, config=config) for _ in "ab"]
+    policy = scripted_rows(tokenizer, turns)
+    runs = [run_agent(policy, tokenizer, list(turns), tools=tools, config=config) for _ in "ab"]
     assert runs[0] == runs[1]
     contexts = [trajectory.context for trajectory in runs[0]]
     greedy = [generate_batch(model, tokenizer, contexts, max_new_tokens=6) for _ in "ab"]

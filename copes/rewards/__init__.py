@@ -1,5 +1,5 @@
-"""Rewards: answer extraction, math correctness (math-verify), QA scores (EM/F1/Acc), Countdown correctness and
-format terms."""
+"""Rewards: answer extraction (one committed answer), math correctness (math-verify), QA reporting scores
+(EM/F1/Acc) and the QA training reward, Countdown correctness and format terms (see docs/rewards.md)."""
 
 from copes.rewards.countdown import countdown_correct
 from copes.rewards.extract import answer_span, extract_answer, last_boxed
