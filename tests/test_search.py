@@ -324,7 +324,7 @@ def test_search_tool_observation_lists_numbered_passages(bm25: BM25Search) -> No
         ({"query": ["a", "b"]}, "Error: argument 'query' must be a string"),
         ({"query": ""}, "Error: argument 'query' is empty"),
         ([{"query": "x"}], "Error: arguments must be a JSON object"),
-        ({"query": "qwzxv plokmnij"}, "No results for: qwzxv plokmnij"),
+        ({"query": "qwzxv plokmnij"}, "No results; try other keywords."),
     ],
 )
 def test_search_tool_turns_bad_arguments_into_observations(bm25: BM25Search, arguments, expected: str) -> None:

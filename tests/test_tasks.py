@@ -268,13 +268,16 @@ QA_EXAMPLE = Example(id="h", question="q", golds=("Barack Obama", "Obama"))
 @pytest.mark.parametrize(
     ("options", "completion", "reward", "correct"),
     [
-        ({}, "<answer>Barack Obama Jr</answer>", 0.8, False),  # F1 by default
+        ({}, "<answer>Barack Obama Jr</answer>", 0.0, False),  # EM by default
+        ({"qa_metric": "f1"}, "<answer>Barack</answer>", 2 / 3, False),  # F1 of a committed partial answer
+        ({"qa_metric": "f1"}, "<answer>Barack Obama Jr</answer>", 0.0, False),  # longer than every gold
         ({}, "<answer>obama</answer>", 1.0, True),  # an alias
         ({}, "Barack Obama", 0.0, True),  # correct, but no answer span: -1
         ({"qa_metric": "em"}, "<answer>Barack Obama Jr</answer>", 0.0, False),
         ({"qa_metric": "acc"}, "<answer>Barack Obama Jr</answer>", 1.0, True),
         ({"format_reward": False}, "Barack Obama", 1.0, True),
-        ({"qa_normalization": "paper"}, "<answer>Barack Obama.</answer>", 0.5, False),  # "obama." != "obama"
+        # "obama." != "obama" under the "paper" normalisation
+        ({"qa_normalization": "paper", "qa_metric": "f1"}, "<answer>Barack Obama.</answer>", 0.5, False),
     ],
 )
 def test_qa_reward_terms(options: dict, completion: str, reward: float, correct: bool) -> None:

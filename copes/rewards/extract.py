@@ -9,6 +9,9 @@ the paper, most specific first:
 
 A tag or box that is opened but never closed (a truncated generation) does not count as complete.
 
+This is the one committed answer every reward reads: an output that states several answers (two spans, two
+boxes) is held to the last one, never credited for any of the others.
+
 Pass only text the model generated (`Trajectory.final_text`, or `Trajectory.model_text`), never a transcript with
 tool results in it: a tool the policy controls can print any `\\boxed{}` it likes.
 """
@@ -40,7 +43,7 @@ def answer_span(text: str) -> str | None:
     return span
 
 
-def _closing_braces(text: str) -> dict[int, int]:
+def closing_braces(text: str) -> dict[int, int]:
     """Index of every `{` that closes -> index of its `}`, in one pass.
 
     `\\{` and `\\}` are literal braces in LaTeX (set notation), so a backslash skips the next character."""
@@ -60,25 +63,31 @@ def _closing_braces(text: str) -> dict[int, int]:
     return closing
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last complete top-level `\\boxed{...}` (or `\\fbox{...}`) in `text`, or None.
+def boxed_contents(text: str) -> list[str]:
+    """Contents of every complete top-level `\\boxed{...}` (or `\\fbox{...}`) in `text`, in order.
 
     Braces are balanced, so `\\boxed{\\frac{1}{2}}` gives `\\frac{1}{2}`. Boxes nested inside a box belong to
     the outer one's content; an unclosed box is ignored, so a complete box before or after it is used.
     """
     if "box" not in text:
-        return None
-    closing = _closing_braces(text)
-    found: str | None = None
+        return []
+    closing = closing_braces(text)
+    found: list[str] = []
     skip_until = 0  # the end of the last complete box: boxes inside it are part of its content
     for match in _BOX_OPENING.finditer(text):
         open_index = match.end() - 1
         close_index = closing.get(open_index)
         if match.start() < skip_until or close_index is None:
             continue
-        found = text[open_index + 1 : close_index].strip()
+        found.append(text[open_index + 1 : close_index].strip())
         skip_until = close_index + 1
     return found
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete top-level box in `text` (see `boxed_contents`), or None."""
+    boxes = boxed_contents(text)
+    return boxes[-1] if boxes else None
 
 
 def extract_answer(text: str) -> str:

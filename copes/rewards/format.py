@@ -1,9 +1,10 @@
 """Shaping terms added to the correctness reward: the paper's format term and the tool bonus.
 
-Format term (math): 0 when the output has both a complete `<answer>...</answer>` and a complete `\\boxed{}`,
--0.5 when one of the two is missing, -1 when both are. The box must sit inside the answer span when there is
-one, because `<answer>\\boxed{...}</answer>` is the format the prompt asks for; without an answer span a box
-anywhere counts (that is also where extraction falls back to).
+Format term (math): 0 when the output has both a complete `<answer>...</answer>` and exactly one complete
+top-level `\\boxed{}` in it, -0.5 when one of the two is missing, -1 when both are. The box must sit inside the
+answer span when there is one, because `<answer>\\boxed{...}</answer>` is the format the prompt asks for;
+without an answer span a box anywhere counts (that is also where extraction falls back to). Two or more boxes
+where one belongs (`\\boxed{3} or \\boxed{4}`) are no committed answer: the box part counts as missing.
 
 Format term (QA): QA answers are free text and are never boxed, so only the answer span counts:
 0 with a complete `<answer>...</answer>`, -1 without.
@@ -16,7 +17,7 @@ Like extraction, the format term reads only model-generated text, never tool res
 
 from __future__ import annotations
 
-from copes.rewards.extract import answer_span, last_boxed
+from copes.rewards.extract import answer_span, boxed_contents
 
 FORMAT_PENALTY_PER_MISSING_PART = 0.5
 QA_MISSING_ANSWER_PENALTY = 1.0
@@ -31,7 +32,7 @@ def format_reward(text: str, kind: str) -> float:
     span = answer_span(text)
     if kind == "qa":
         return 0.0 if span is not None else -QA_MISSING_ANSWER_PENALTY
-    has_box = last_boxed(text if span is None else span) is not None
+    has_box = len(boxed_contents(text if span is None else span)) == 1
     missing_parts = (span is None) + (not has_box)
     return -FORMAT_PENALTY_PER_MISSING_PART * missing_parts
 

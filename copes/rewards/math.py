@@ -6,11 +6,17 @@ process (its main thread, where the alarms work) and the caller waits with an ou
 times out scores False and its worker is killed and replaced. This makes `math_correct` safe to call from any
 thread of the trainer and bounded in time whatever the model writes.
 
-Parsing: gold and prediction are final answers as strings (`extract_answer` output). Each is wrapped in
-`\\boxed{...}` before `math_verify.parse`, because math-verify only reads bare LaTeX such as `\\frac{\\pi}{6}`
-or `p - q` inside a box or math delimiters. A prediction that looks like prose (extraction fell back to the
-whole output, or the model wrote "18 dollars") is also parsed as it is, so math-verify can find the answer in
-the sentence; bare expressions are not, because the raw parse would pick a number out of them ("6 - 5i" -> 5).
+Parsing: gold and prediction are final answers as strings (`extract_answer` output). The prediction is parsed
+ONE way, never two, so it commits to one answer (a union of two parses could match two different golds, e.g. a
+box parse giving 5 and a prose parse giving 7 for `5 \\text{ or {the answer} is 7}`):
+
+- LaTeX (no English word outside LaTeX commands and their arguments, `\\text{...}` included): wrapped in
+  `\\boxed{...}` and parsed, because math-verify only reads bare LaTeX such as `\\frac{\\pi}{6}` or `p - q`
+  inside a box or math delimiters. Bare expressions are never mined for numbers ("6 - 5i" is not 5).
+- prose ("18 dollars", or a whole output without a box): parsed as it is, so math-verify picks the one answer
+  the sentence states (its last box, else its final-answer phrase or number); the boxed parse is used only when
+  that finds nothing.
+
 The gold is parsed first and passed first: `verify(gold, prediction)` is asymmetric.
 """
 
@@ -31,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from copes.extras import check_installed
+from copes.rewards.extract import closing_braces
 
 DEFAULT_TIMEOUT_S = 10.0
 # math-verify's own alarms (whole seconds) end most slow checks gracefully, well before the outer timeout,
@@ -42,9 +49,9 @@ _STARTUP_TIMEOUT_S = 120.0
 # worker's address space turns that into a MemoryError inside math-verify (scored False) instead.
 _WORKER_MEMORY_LIMIT_BYTES = 4 << 30
 _READY = "ready"
-# A LaTeX command with its first argument (`\\text{ cm}`, `\\begin{pmatrix}`) is not prose; a word of two or
-# more letters left after removing those is.
-_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?")
+# A LaTeX command with its first argument (`\\text{ cm}`, `\\begin{pmatrix}`, braces balanced) is not prose; a
+# word of two or more letters left after removing those is.
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+\s*")
 _PROSE_WORD = re.compile(r"[A-Za-z]{2,}")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,19 +60,34 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 # Worker side: runs in the child process.
 
 
+def _without_latex_commands(text: str) -> str:
+    """`text` with every LaTeX command and its first brace argument (nested braces included) removed."""
+    closing = closing_braces(text)
+    kept, position = [], 0
+    for match in _LATEX_COMMAND.finditer(text):
+        if match.start() < position:
+            continue  # inside an argument already removed
+        kept.append(text[position : match.start()])
+        position = closing.get(match.end(), match.end() - 1) + 1
+    kept.append(text[position:])
+    return " ".join(kept)
+
+
 def _looks_like_prose(text: str) -> bool:
     """True when `text` has an English word outside LaTeX commands ("18 dollars", "The answer is 5")."""
-    return _PROSE_WORD.search(_LATEX_COMMAND.sub(" ", text)) is not None
+    return _PROSE_WORD.search(_without_latex_commands(text)) is not None
 
 
 def _parse_answer(text: str, *, may_be_prose: bool) -> list:
+    """math-verify's parse of one answer, read one way only (see the module docstring)."""
     from math_verify import parse
 
-    parsed = parse(f"\\boxed{{{text}}}", parsing_timeout=_INNER_TIMEOUT_S)
     if may_be_prose and _looks_like_prose(text):
         # Boxed prose parses as a product of letters; the raw parse finds the answer inside the sentence.
-        parsed = parsed + parse(text, parsing_timeout=_INNER_TIMEOUT_S)
-    return parsed
+        parsed = parse(text, parsing_timeout=_INNER_TIMEOUT_S)
+        if parsed:
+            return parsed
+    return parse(f"\\boxed{{{text}}}", parsing_timeout=_INNER_TIMEOUT_S)
 
 
 def _check(prediction: str, gold: str) -> bool:

@@ -11,11 +11,14 @@ Two ways for a model to call a tool:
   the body its main argument) and the result is appended in the same turn as `<result>...</result>`.
 
 "auto" picks "qwen" when the template demonstrably renders a tools block and tool responses, else "tags".
-Parsing never raises: a malformed call becomes a `ParsedCall` with an error the model gets to read.
+Parsing never raises: a malformed call becomes a `ParsedCall` with an error the model gets to read (short, and
+quoting at most a clipped name of what the model wrote). Every string decoded from a call is valid Unicode (a
+JSON `"\ud800"` escape decodes to U+FFFD), and so is every observation before a tokenizer sees it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import weakref
@@ -27,6 +30,7 @@ from jinja2 import TemplateError
 
 from copes.choices import TOOL_FORMATS
 from copes.tools import Tool, tool_schema
+from copes.tools.text import valid_unicode
 
 QWEN_CALL_OPEN, QWEN_CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
@@ -227,27 +231,38 @@ def neutralize_markup(tokenizer: Any, text: str) -> str:
     return pattern.sub(lambda match: match[0][0] + _MARKUP_BREAK + match[0][1:], text)
 
 
+def _decode_observation(tokenizer: Any, ids: list[int]) -> str:
+    # With the markup broken, a special token here is a tokenizer's unknown token (whose text may be
+    # `<|endoftext|>`): decoding it as text would write the special string back into the context.
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def observation_text(tokenizer: Any, text: str, max_tokens: int) -> str:
-    """Untrusted tool output as it enters the context: markup neutralized, clipped to `max_tokens` tokens
-    (keeping both ends: a program's first lines say what it did, its last lines hold the result)."""
+    """Untrusted tool output as it enters the context: valid Unicode, markup neutralized, clipped to `max_tokens`
+    tokens (keeping both ends: a program's first lines say what it did, its last lines hold the result). Output
+    that is not text at all (a custom tool returning None) becomes an error observation."""
+    if not isinstance(text, str):
+        text = f"Error: the tool returned {type(text).__name__}, not text."
+    text = valid_unicode(text)
     # Only a bounded prefix and suffix are ever tokenized, so a 20 MB passage costs what a short one does.
     window = 16 * max_tokens
     clipped_chars = len(text) > 2 * window
     if clipped_chars:
         text = text[:window] + text[-window:]
     ids = tokenizer.encode(neutralize_markup(tokenizer, text), add_special_tokens=False)
+    decode = functools.partial(_decode_observation, tokenizer)
     if len(ids) <= max_tokens and not clipped_chars:
-        return tokenizer.decode(ids)
+        return decode(ids)
     note = f"\n... [{'some' if clipped_chars else len(ids) - max_tokens} tokens omitted] ...\n"
     half = (max_tokens - len(tokenizer.encode(note, add_special_tokens=False))) // 2
     while half > 0:
         # Decoding a slice and encoding it again can merge differently; shrink until the whole fits.
-        clipped = tokenizer.decode(ids[:half]) + note + tokenizer.decode(ids[-half:])
+        clipped = decode(ids[:half]) + note + decode(ids[-half:])
         excess = len(tokenizer.encode(clipped, add_special_tokens=False)) - max_tokens
         if excess <= 0:
             return clipped
         half -= excess
-    return tokenizer.decode(ids[:max_tokens])  # a budget too small for the note
+    return decode(ids[:max_tokens])  # a budget too small for the note
 
 
 def tag_results_suffix(observations: Sequence[str]) -> str:
@@ -268,15 +283,28 @@ def _tag_bodies(text: str, open_tag: str, close_tag: str) -> list[tuple[int, str
     return bodies
 
 
+def _valid_strings(value: Any) -> Any:
+    """Decoded JSON with every string, keys included, made valid Unicode."""
+    if isinstance(value, str):
+        return valid_unicode(value)
+    if isinstance(value, list):
+        return [_valid_strings(item) for item in value]
+    if isinstance(value, dict):
+        return {valid_unicode(key): _valid_strings(item) for key, item in value.items()}
+    return value
+
+
 def _load_json(text: str) -> tuple[Any, str | None]:
-    """(value, None) or (None, why it is not JSON). Model output can nest brackets past the parser's recursion
-    limit, which raises RecursionError rather than a decode error."""
+    """(value, None) with valid Unicode strings, or (None, why it is not JSON). Model output can nest brackets past
+    the parser's recursion limit (RecursionError) or write an integer longer than Python converts (ValueError)."""
     try:
-        return json.loads(text), None
+        return _valid_strings(json.loads(text)), None
     except json.JSONDecodeError as error:
         return None, f"{error.msg} at position {error.pos}"
     except RecursionError:
         return None, "nested too deeply"
+    except ValueError:
+        return None, "a number in it has too many digits"
 
 
 def _coerce(value: str, schema: Mapping[str, Any]) -> Any:
@@ -346,8 +374,12 @@ def _parse_qwen_body(body: str, tools: Mapping[str, Tool]) -> ParsedCall:
     return _check_required(name, arguments, tools[name])
 
 
+_MAX_QUOTED_NAME_CHARS = 60  # an error quotes this much of an unknown tool name, never the whole of it
+
+
 def _unknown_tool(name: str | None, tools: Mapping[str, Tool]) -> ParsedCall:
-    return ParsedCall(name, error=f"unknown tool {name!r}; available: {', '.join(tools) or 'none'}")
+    shown = name if name is None or len(name) <= _MAX_QUOTED_NAME_CHARS else name[:_MAX_QUOTED_NAME_CHARS] + "..."
+    return ParsedCall(name, error=f"unknown tool {shown!r}; available: {', '.join(tools) or 'none'}")
 
 
 def _check_required(name: str, arguments: dict[str, Any], tool: Tool) -> ParsedCall:

@@ -1,8 +1,9 @@
 """Multi-hop QA tasks: HotpotQA (distractor), 2WikiMultihopQA and MuSiQue.
 
-Reward = QA metric of the extracted answer against every accepted gold ("f1" by default, or "em" / "acc") +
-format term (0 / -1 for a missing `<answer>` span) + tool bonus (+0.1 when correct with a tool call).
-`correct` means full credit under the chosen metric.
+Reward = QA reward of the extracted answer against every accepted gold (`copes.rewards.qa_reward`: "em" by
+default, length-gated "f1", or "acc" when asked for) + format term (0 / -1 for a missing `<answer>` span) + tool
+bonus (+0.1 when correct with a tool call). `correct` means full credit under the chosen metric; `metrics` gives
+the standard reporting EM / F1 / accuracy.
 
 Each example keeps its dataset's paragraphs in one layout, `meta["paragraphs"] = [(title, [sentence, ...])]`,
 and supporting facts as `meta["supporting_facts"] = [(title, sentence_index)]`, whichever layout the file used
@@ -17,8 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from copes.rewards import extract_answer, qa_scores
-from copes.rewards.qa import NORMALIZATIONS, QA_METRICS
+from copes.rewards import extract_answer, qa_reward, qa_scores
+from copes.rewards.qa import DEFAULT_QA_REWARD, NORMALIZATIONS, QA_METRICS
 from copes.tasks.base import Example, Score, register
 from copes.tasks.dataset import DatasetTask
 from copes.tasks.loading import DatasetError, HubSplit, load_split_rows, resolve_data_dir
@@ -41,7 +42,7 @@ class QATask(DatasetTask):
         name: str,
         splits: dict[str, Callable[[], list[Example]]],
         *,
-        qa_metric: str = "f1",
+        qa_metric: str = DEFAULT_QA_REWARD,
         qa_normalization: str = "official",
         **reward_terms: bool,
     ) -> None:
@@ -63,7 +64,7 @@ class QATask(DatasetTask):
 
     def score(self, completion: str, example: Example, *, used_tool: bool = False) -> Score:
         answer = extract_answer(completion)
-        value = self.metrics(answer, example)[self.qa_metric]
+        value = qa_reward(answer, example.golds, self.qa_metric, self.qa_normalization)
         correct = value >= 1.0
         return Score(reward=self._shaped_reward(value, completion, correct, used_tool), correct=correct, answer=answer)
 

@@ -1,7 +1,8 @@
 """The tools as the agent loop sees them: a name, a JSON schema, and `call(arguments) -> observation`.
 
 `call` never raises: a bad argument, a failed search or a crashed program becomes observation text, because the
-model is the one that has to react to it (and one bad rollout must not stop a training step).
+model is the one that has to react to it (and one bad rollout must not stop a training step). String arguments
+are made valid Unicode before a tool uses them, and an observation does not repeat the model's input back to it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any, Protocol
 
 from copes.tools.sandbox import PythonSandbox, SandboxResult, SandboxUnavailable
 from copes.tools.search import BM25Search, HttpRetriever, SearchError
+from copes.tools.text import valid_unicode
 
 
 class Tool(Protocol):
@@ -41,7 +43,7 @@ def _string_argument(arguments: Any, key: str) -> str:
         raise ValueError(f"argument {key!r} must be a string, got {type(value).__name__}")
     if not value.strip():
         raise ValueError(f"argument {key!r} is empty")
-    return value
+    return valid_unicode(value)
 
 
 def _clip_middle(text: str, max_chars: int) -> str:
@@ -145,7 +147,7 @@ class SearchTool:
         except SearchError as error:
             return f"Search error: {error}"
         if not passages:
-            return f"No results for: {query}"
+            return "No results; try other keywords."
         # Search-R1's observation format, which the reference prompts and papers use; each passage gets an equal
         # share of the budget, so one huge passage cannot push the others out.
         share = self.max_observation_chars // len(passages)

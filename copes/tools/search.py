@@ -6,7 +6,8 @@ the offline stand-in for the Wikipedia dump Search-R1 retrieves from). Both retr
 raise `SearchError` when the search itself fails (bad input is a ValueError).
 
 The retrieval server's answer is untrusted: one total deadline per call (a server dripping a byte at a time
-cannot hold it longer), a cap on the response size, no redirects, and every failure a SearchError.
+cannot hold it longer), a cap on the response size, no redirects, every failure a SearchError, and every string
+of a passage valid Unicode (a lone surrogate, escaped in the JSON or sent as raw bytes, becomes U+FFFD).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from copes.extras import require
+from copes.tools.text import valid_unicode
 
 if TYPE_CHECKING:
     import bm25s
@@ -194,10 +196,12 @@ def _passage_from_hit(hit: Any) -> Passage:
         raise SearchError(f"retrieved document has no 'contents' string: {document!r:.100}")
     if score is not None and not isinstance(score, (int, float)):
         raise SearchError(f"retrieved score is not a number: {score!r:.50}")
-    title, text = _split_contents(document["contents"])
-    return Passage(
-        id=str(document.get("id", "")), title=title, text=text, score=None if score is None else float(score)
-    )
+    try:
+        score = None if score is None else float(score)
+    except OverflowError:  # an integer too large for a float
+        raise SearchError("retrieved score is out of range") from None
+    title, text = _split_contents(valid_unicode(document["contents"]))
+    return Passage(id=valid_unicode(str(document.get("id", ""))), title=title, text=text, score=score)
 
 
 class HttpRetriever(_BatchRetriever):
