@@ -78,8 +78,8 @@ def run_curve(model: str, config: str, seed: int, settings: dict[str, Any]) -> C
         seed=seed,
         steps=[record["step"] for record in records],
         rewards=[record["mean_reward"] for record in records],
-        eval_steps=[record["step"] for record in trainer.evals],
-        accuracies=[record["accuracy"] for record in trainer.evals],
+        eval_steps=[record["step"] for record in trainer.record.evals],
+        accuracies=[record["accuracy"] for record in trainer.record.evals],
         seconds=seconds,
     )
 

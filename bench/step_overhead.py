@@ -41,7 +41,8 @@ from models import (
 
 import copes
 from copes.es.strategies import StepStats
-from copes.run.trainer import Trainer, batch_indices
+from copes.run.components import batch_indices
+from copes.run.trainer import Trainer
 
 GOAL_OVERHEAD = 0.05
 ENGINE_PHASES = ("perturb", "restore", "update")

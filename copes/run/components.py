@@ -1,20 +1,25 @@
-"""Turning a TrainConfig into the objects the trainer drives: the ES strategy and the agent's tools."""
+"""Turning a TrainConfig into the objects the trainer drives: the task and its data order, the ES strategy, the
+agent's settings and its tools."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from copes.choices import ALGORITHMS_BY_NAME
 from copes.errors import ConfigError
 from copes.run.config import TrainConfig
 from copes.run.metrics import PhaseTimer
-from copes.tasks import Task, get_task
+from copes.tasks import Example, Task, get_task
 
-if TYPE_CHECKING:  # the strategies (and torch) load only when a run builds one
+if TYPE_CHECKING:  # the strategies, the rollout code (and torch) load only when a run builds them
     from copes.es.strategies.base import Strategy
+    from copes.rollout import AgentConfig
 
 
 def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
@@ -44,6 +49,46 @@ def task_from_config(cfg: TrainConfig) -> Task:
         return get_task(cfg.task, **options)
     except (ValueError, TypeError) as error:  # unknown task, or an option the task does not take
         raise ConfigError(f"task {cfg.task}: {error}") from None
+
+
+def batch_indices(step: int, batch: int, dataset_size: int, seed: int) -> list[int]:
+    """Questions of `step`: a fresh permutation per epoch, a pure function of (seed, step) so resume needs no state."""
+    positions = range(step * batch, (step + 1) * batch)
+    permutations: dict[int, np.ndarray] = {}
+    picked = []
+    for position in positions:
+        epoch = position // dataset_size
+        if epoch not in permutations:
+            permutations[epoch] = np.random.default_rng([seed, epoch]).permutation(dataset_size)
+        picked.append(int(permutations[epoch][position % dataset_size]))
+    return picked
+
+
+def eval_examples(task: Task, cfg: TrainConfig, *, warn: bool) -> list[Example]:
+    """The held-out questions: `cfg.eval_size` of the first of eval_split / validation / test the task has."""
+    if cfg.eval_size == 0:
+        return []
+    for split in dict.fromkeys((cfg.eval_split, "validation", "test")):
+        try:
+            examples = task.examples(split, limit=cfg.eval_size)
+        except ValueError:
+            continue
+        if examples:
+            if len(examples) < cfg.eval_size and warn:
+                print(f"warning: eval_size={cfg.eval_size} but the {split} split of {cfg.task} has "
+                      f"{len(examples)} questions; evaluating on all {len(examples)}", file=sys.stderr)
+            return examples
+    raise ConfigError(f"task {cfg.task} has no held-out split to evaluate on")
+
+
+def build_agent(cfg: TrainConfig, task: Task) -> AgentConfig:
+    """The rollout settings: greedy decoding (the paper's), the limits, the tool-call format and budgets."""
+    from copes.rollout import AgentConfig
+
+    limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens,
+                  greedy=True, batch_size=cfg.rollout_batch, tool_format=cfg.tool_format,
+                  template_kwargs=cfg.template_kwargs, max_observation_tokens=cfg.max_observation_tokens)
+    return AgentConfig.for_task(task, **limits, **({"budgets": cfg.tool_budgets} if cfg.tool_budgets else {}))
 
 
 class TimedTool:

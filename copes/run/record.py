@@ -1,0 +1,114 @@
+"""What a run leaves behind, in one place: the journal (every scored member and applied update: the durable
+record), checkpoint exports, metrics.jsonl, rollout samples, the summary and its curve.
+
+Only rank 0 writes (`writer=True`); every rank keeps the in-memory views the loop needs: which members of the
+step in progress are already journaled, the held-out evaluations so far, the newest checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from copes.errors import ConfigError
+from copes.run import checkpoint as ckpt
+from copes.run.config import TrainConfig
+from copes.run.journal import JournalWriter, RunJournal, build_header, journal_path
+from copes.run.metrics import MetricsLog, log_table, plot_curves, start_wandb
+from copes.run.replay import resume_run
+from copes.run.samples import SAMPLES_FILE, RolloutSamples
+from copes.tasks import Example
+
+
+def check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write_test.{os.getpid()}"  # per process: torchrun ranks probe at once
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"output dir {folder} is not writable: {error.strerror or error}") from None
+
+
+@dataclass
+class RunRecord:
+    cfg: TrainConfig
+    writer: bool  # rank 0 writes; the other ranks keep only the in-memory views
+    journal: RunJournal | None = None  # opened by resume(), or started fresh by start_journal()
+    eval_before: dict[str, Any] | None = None
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    saved_step: int | None = None  # the step of the newest checkpoint on disk
+    samples: RolloutSamples | None = None  # opened by open_logs(); a caller driving steps itself samples none
+    metrics: MetricsLog | None = None
+    wandb_run: Any = None
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.cfg.output_dir)
+        check_writable(self.out)
+
+    def start_journal(self, model: torch.nn.Module, strategy: Any, model_path: str,
+                      share: Callable[[str], str] = lambda value: value) -> None:
+        """A fresh journal for a new run; `share` hands rank 0's run id to every rank."""
+        run_id = share(uuid.uuid4().hex)
+        writer = None
+        if self.writer:
+            header = build_header(self.cfg, model, strategy, model_path, run_id=run_id)
+            writer = JournalWriter.create(journal_path(self.out), header)
+        self.journal = RunJournal(run_id, writer)
+
+    def resume(self, path: str, model: torch.nn.Module, strategy: Any, *, progress: bool) -> int:
+        """Continue the run journaled in `path` (its newest checkpoint plus a replay of every journaled update
+        after it); returns the number of steps done."""
+        resumed = resume_run(path, self.cfg, model, strategy, writer=self.writer, progress=progress)
+        steps_done = resumed.contents.steps_done
+        self.journal, self.saved_step = resumed.journal, resumed.checkpoint_step
+        self.eval_before, self.evals = resumed.contents.eval_before, resumed.contents.evals(steps_done)
+        if self.writer:  # the journal holds every finished step's metrics record, whatever metrics.jsonl kept
+            records = resumed.contents.updates
+            ckpt.write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        return steps_done
+
+    def open_logs(self, start_step: int, sample_questions: Sequence[Example]) -> None:
+        cfg = self.cfg
+        if cfg.wandb and self.writer:
+            self.wandb_run = start_wandb(cfg.wandb_project, self.out, cfg.to_dict())
+        self.metrics = MetricsLog(self.out / "metrics.jsonl" if self.writer else None, keep_through_step=start_step,
+                                  tensorboard=cfg.tensorboard, wandb_run=self.wandb_run)
+        self.samples = RolloutSamples(self.out / SAMPLES_FILE if self.writer else None, sample_questions,
+                                      cfg.sample_every, keep_through_step=start_step)
+
+    def write_samples(self, step: int, rewards: Sequence[torch.Tensor]) -> None:
+        if (written := self.samples.write(step, rewards)) and self.wandb_run is not None:
+            log_table(self.wandb_run, "samples", written, step)
+
+    def record_eval_before(self, record: dict[str, Any]) -> None:
+        self.eval_before = record
+        self.journal.record_eval_before(record)
+
+    def record_step(self, step: int, record: dict[str, Any]) -> None:
+        self.journal.record_update(step, record)
+        self.metrics.append(record)
+
+    def save(self, step: int, model: torch.nn.Module, tokenizer: Any, strategy: Any) -> None:
+        if self.writer:
+            state = {"step": step, "config": self.cfg.to_dict(), "eval_before": self.eval_before, "evals": self.evals,
+                     "run_id": self.journal.run_id}
+            ckpt.save_checkpoint(self.out / "checkpoints", step, model=model, tokenizer=tokenizer,
+                                 es_state=strategy.state_dict(), trainer_state=state)
+        self.saved_step = step
+
+    def write_summary(self, summary: dict[str, Any], title: str) -> None:
+        ckpt.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
+        plot_curves(self.metrics.records, self.evals, self.out / "curve.png", title)
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update({"eval_before_accuracy": self.eval_before["accuracy"],
+                                           "eval_after_accuracy": summary["eval_after"]["accuracy"],
+                                           "steps": summary["steps"]})
+            self.wandb_run.finish()
