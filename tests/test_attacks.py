@@ -621,3 +621,100 @@ def test_tool_call_parsing_is_linear_on_hostile_output() -> None:
         assert not call.valid
     parse_tool_calls(hostile[3], "tags", [tool])
     assert time.monotonic() - started < 1.0
+
+
+# ---------------------------------------------------------------- containment classes (wave 3)
+
+
+def test_the_code_cannot_make_a_user_namespace(sandbox: PythonSandbox) -> None:
+    """Nested user namespaces would give the code every capability over new network and mount namespaces."""
+    code = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(open('/proc/sys/user/max_user_namespaces').read().strip())\n"
+        "print(libc.unshare(0x10000000), ctypes.get_errno())\n"  # CLONE_NEWUSER
+        "print(libc.unshare(0x10000000 | 0x40000000), ctypes.get_errno())\n"  # with CLONE_NEWNET
+    )
+    result = sandbox.run(code)
+    assert result.stdout.split("\n")[:3] == ["0", f"-1 {errno.EPERM}", f"-1 {errno.EPERM}"], result.stderr
+    assert result.enforced("nested_namespaces") and result.tier == "namespaces"
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe uses x86_64 syscall numbers")
+def test_seccomp_denies_io_uring_perf_userfaultfd_bpf_inotify(sandbox: PythonSandbox) -> None:
+    calls = {"io_uring_setup": (425, 1, 0), "perf_event_open": (298, 0, 0, -1, -1, 0), "userfaultfd": (323, 0),
+             "bpf": (321, 0, 0, 0), "inotify_init1": (294, 0), "fanotify_init": (300, 0, 0), "setns": (308, 3, 0)}
+    code = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n" + "".join(
+        f"print({name!r}, libc.syscall(*[ctypes.c_long(a) for a in {args!r}]), ctypes.get_errno())\n"
+        for name, args in calls.items()
+    )
+    result = sandbox.run(code)
+    assert result.stdout.splitlines() == [f"{name} -1 {errno.EPERM}" for name in calls], result.stderr
+    assert result.enforced("seccomp"), result.isolation
+
+
+def test_the_run_is_the_first_oom_victim(sandbox: PythonSandbox) -> None:
+    """Every process of the run starts at the kernel's maximum oom_score_adj (a child inherits it). The code can
+    still lower its own back to the trainer's floor (see docs/sandbox.md), never below it."""
+    code = (
+        "import os\nif os.fork() == 0:\n    print(open('/proc/self/oom_score_adj').read().strip())\n    os._exit(0)\n"
+        "os.wait()\n"
+        "try:\n    with open('/proc/self/oom_score_adj', 'w') as file:\n        file.write('-1')\n"
+        "    print('below the floor')\nexcept OSError as error:\n    print(error.errno)\n"
+    )
+    assert _lines(sandbox, code) == ["1000", str(errno.EACCES)]
+    assert sandbox.run("pass").enforced("oom")
+
+
+def test_the_cpu_budget_holds_for_the_whole_run() -> None:
+    """Four processes each below the per-process CPU limit, together well over the run's budget."""
+    code = (
+        "import os, time\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        "        while time.process_time() < 0.9:\n"
+        "            pass\n"
+        "        os._exit(0)\n"
+        "while time.process_time() < 0.9:\n"
+        "    pass\n"
+        "for _ in range(4):\n"
+        "    os.wait()\n"
+        "print('all done')\n"
+    )
+    result = PythonSandbox(timeout_s=60.0, cpu_seconds=1).run(code)
+    assert result.enforced("cpu_budget"), result.isolation
+    assert result.cpu_budget_exceeded and result.stdout == "", (result.stdout, result.stderr[-300:])
+
+
+def test_the_bootstrap_configuration_is_not_visible(sandbox: PythonSandbox) -> None:
+    code = "print(open('/proc/1/cmdline').read())\nprint(open('/proc/self/cgroup').read())"
+    result = sandbox.run(code)
+    seen = result.stdout
+    assert seen.count("\n") >= 2 and "sandbox_child" not in seen and str(REPO) not in seen
+    assert "copes-sandbox" not in seen and str(os.getpid()) not in seen and "{" not in seen, seen
+    assert result.enforced("bootstrap_hidden")
+
+
+_LEAVE_A_RUN_CGROUP = (
+    "import os\nfrom copes.tools.cgroups import RunCgroup\n"
+    "cgroup = RunCgroup.create(64 << 20, 8)\nprint(' '.join(cgroup.directories))\nos._exit(0)\n"
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the cgroup hierarchies here are writable by root only")
+def test_run_cgroups_are_removed_recursively_and_a_dead_trainers_leftovers_at_the_next_start() -> None:
+    from copes.tools.cgroups import RunCgroup
+
+    cgroup = RunCgroup.create(64 << 20, 8)
+    assert isinstance(cgroup, RunCgroup), cgroup
+    for directory in cgroup.directories:
+        os.makedirs(os.path.join(directory, "nested", "deeper"))
+    cgroup.remove()
+    assert not any(os.path.exists(directory) for directory in cgroup.directories)
+    environment = dict(os.environ, PYTHONPATH=str(REPO))
+    leaked = subprocess.run([sys.executable, "-c", _LEAVE_A_RUN_CGROUP], capture_output=True, text=True,
+                            env=environment, timeout=60, check=True).stdout.split()
+    assert leaked and all(os.path.isdir(directory) for directory in leaked), "a killed trainer leaves these"
+    fresh = subprocess.run([sys.executable, "-c", _LEAVE_A_RUN_CGROUP], capture_output=True, text=True,
+                           env=environment, timeout=60, check=True).stdout.split()
+    assert not any(os.path.exists(directory) for directory in leaked), "the next start removes them"
+    RunCgroup(fresh, [], ("", "", 0), ("", "", 0)).remove()

@@ -272,6 +272,7 @@ class PythonSandbox:
         meter = None if isinstance(cgroup, str) else cgroup
         buffers = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
         timed_out = truncated = cpu_exceeded = False
+        next_reading = time.monotonic() + _CPU_POLL_S
         with selectors.DefaultSelector() as selector:
             for fd in buffers:
                 selector.register(fd, selectors.EVENT_READ)
@@ -289,10 +290,12 @@ class PythonSandbox:
                     room = self.max_output_bytes - len(buffer)
                     buffer += chunk[:room]
                     truncated |= len(chunk) > room
-                used = meter.cpu_seconds_used() if meter is not None else None
-                if used is not None and used >= self.run_cpu_seconds:
-                    cpu_exceeded = True
-                    break
+                if meter is not None and time.monotonic() >= next_reading:
+                    next_reading = time.monotonic() + _CPU_POLL_S
+                    used = meter.cpu_seconds_used()
+                    if used is not None and used >= self.run_cpu_seconds:
+                        cpu_exceeded = True
+                        break
         if not (timed_out or truncated or cpu_exceeded):
             # Both pipes are closed; the bootstrap exits right after its children, unless something keeps it alive.
             try:
