@@ -3,9 +3,11 @@ right answers and so learns to look for them.
 
 `PythonSandbox.run(code)` starts `sandbox_child.py` (standard library only, `python -I -S`) in a new session
 with a scrubbed environment; the child puts every layer in place and checks it from inside (see its docstring):
-a whole-run cgroup (memory, pids), a fresh per-run uid (as root) inside its own user namespace, private network,
-mount, IPC and pid namespaces, a fresh session keyring, a fresh read-only tmpfs root with only the
-interpreter, its libraries and site-packages, a size-limited work dir, rlimits, no capabilities, no_new_privs.
+a whole-run cgroup (memory, pids, CPU time: the caller kills a run whose processes together spend its CPU
+budget), a fresh per-run uid (as root) inside its own user namespace that may make no nested one, private network,
+mount, IPC, pid and cgroup namespaces, a fresh session keyring, a fresh read-only tmpfs root with only what the
+interpreter needs (asked of it; see `_root_layout`), a size-limited work dir, rlimits, no capabilities,
+no_new_privs, a seccomp filter (`seccomp.py`), oom_score_adj 1000. docs/sandbox.md has the threat model.
 
 Fail closed: unless every layer is verified, the run stops before the code starts and `run` raises
 `SandboxUnavailable` naming what is missing. `PythonSandbox(unsafe=True)` runs with whatever this machine
