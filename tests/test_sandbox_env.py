@@ -138,32 +138,88 @@ def test_a_non_root_caller_is_contained(tmp_path: Path) -> None:
 
 
 _DEFAULT_CONTAINER = (
-    "import ctypes, importlib.util\n"
+    "import ctypes, importlib.util, socket\n"
     "spec = importlib.util.spec_from_file_location('seccomp', {seccomp!r})\n"
     "seccomp = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(seccomp)\n"
     "ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # no_new_privs, as Docker sets it\n"
-    "seccomp.install(False)  # namespace-creating unshare/clone denied, as by Docker's default profile\n"
+    "# Namespace-creating unshare/clone denied, as by Docker's default profile (and Landlock too, where asked).\n"
+    "seccomp.install(False, also_deny={also_deny!r})\n"
+    "listener = socket.socket()\nlistener.bind(('127.0.0.1', 0))\nlistener.listen()\nlistener.setblocking(False)\n"
+    "PORT = listener.getsockname()[1]\n"
+)
+# Escapes tried from inside; in the Landlock tier each must fail (EACCES from Landlock, EPERM from seccomp or
+# Landlock's signal scoping), the work dir must be usable, and the daemon must die with the run.
+_ESCAPES = (
+    "import os, socket, time\n"
+    "def attempt(what, action):\n"
+    "    try:\n        action()\n        print(what, 'reached')\n"
+    "    except OSError as error:\n        print(what, error.errno)\n"
+    "attempt('passwd', lambda: open('/etc/passwd').read())\n"
+    "attempt('checkout', lambda: os.listdir({repo!r}))\n"
+    "attempt('tmp', lambda: open('/tmp/{marker}', 'w').write('x'))\n"
+    "attempt('tcp', lambda: socket.create_connection(('127.0.0.1', {{PORT}}), timeout=1))\n"
+    "attempt('udp', lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))\n"
+    "attempt('signal', lambda: os.kill({{TRAINER}}, 0))\n"
+    "attempt('proc', lambda: os.listdir('/proc'))\n"
+    "attempt('workdir', lambda: open('scratch', 'w').write('ok'))\n"
+    "if os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\n"
+)
+_RUN_ESCAPES = (
+    "import json, os, sys, time\nfrom copes.tools import PythonSandbox, SandboxUnavailable\n"
+    "code = {escapes!r}.replace('{{PORT}}', str(PORT)).replace('{{TRAINER}}', str(os.getpid()))\n"
+    "started = time.monotonic()\n"
+    "try:\n    result = PythonSandbox(timeout_s=10).run(code)\n"
+    "except SandboxUnavailable as error:\n    print('UNAVAILABLE', error)\n    sys.exit(3)\n"
+    "try:\n    listener.accept()\n    accepted = True\nexcept BlockingIOError:\n    accepted = False\n"
+    "print(json.dumps({{'stdout': result.stdout, 'stderr': result.stderr, 'tier': result.tier,\n"
+    "                  'isolation': result.isolation, 'accepted': accepted,\n"
+    "                  'seconds': time.monotonic() - started}}))\n"
 )
 
 
-@pytest.mark.skipif(SETPRIV is None, reason="setpriv (util-linux) is not installed")
-@pytest.mark.skipif(os.geteuid() != 0, reason="dropping CAP_SYS_ADMIN from root needs root")
-def test_a_default_container_is_contained_or_refused_with_the_reason() -> None:
-    """Root without CAP_SYS_ADMIN, unshare and clone with namespace flags denied: without the Landlock tier the
-    sandbox refuses, in one line that names the user namespace as the missing feature; the code never runs."""
+def _in_default_container(also_deny: tuple[str, ...]) -> subprocess.CompletedProcess:
     from copes.tools import seccomp
 
-    script = _DEFAULT_CONTAINER.format(seccomp=seccomp.__file__) + _RUN_AND_REPORT.format(
-        python=sys.executable, code="print('ran')")
+    marker = f"copes-escape-{uuid.uuid4().hex[:8]}"
+    escapes = _ESCAPES.format(repo=str(REPO), marker=marker)
+    script = _DEFAULT_CONTAINER.format(seccomp=seccomp.__file__, also_deny=also_deny) + _RUN_ESCAPES.format(
+        escapes=escapes)
     completed = _trainer([SETPRIV, "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin"], sys.executable,
                          script)
-    if completed.returncode == 0:
-        report = json.loads(completed.stdout.splitlines()[-1])
-        assert report["stdout"] == "ran\n" and report["tier"] == "landlock", report
-        assert all(status.startswith("yes") for status in report["isolation"].values()), report["isolation"]
+    assert not os.path.exists(f"/tmp/{marker}")
+    return completed
+
+
+needs_root_and_setpriv = pytest.mark.skipif(SETPRIV is None or os.geteuid() != 0,
+                                            reason="needs setpriv (util-linux), and root to drop CAP_SYS_ADMIN")
+
+
+@needs_root_and_setpriv
+def test_a_default_container_is_contained_in_the_landlock_tier() -> None:
+    """Root without CAP_SYS_ADMIN, namespace creation denied by seccomp: the Landlock tier, every protection
+    verified, every escape refused; or, on a kernel without Landlock, refused naming both missing features."""
+    from copes.tools import landlock
+
+    completed = _in_default_container(())
+    if not landlock.abi():
+        assert completed.returncode == 3 and "and no Landlock" in completed.stdout, completed.stdout
         return
+    assert completed.returncode == 0, completed.stdout + completed.stderr[-2000:]
+    report = json.loads(completed.stdout.splitlines()[-1])
+    assert report["tier"] == "landlock", report
+    assert all(status.startswith("yes") for status in report["isolation"].values()), report["isolation"]
+    seen = dict(line.split() for line in report["stdout"].splitlines())
+    assert seen == {"passwd": str(errno.EACCES), "checkout": str(errno.EACCES), "tmp": str(errno.EACCES),
+                    "tcp": str(errno.EPERM), "udp": str(errno.EPERM), "signal": str(errno.EPERM),
+                    "proc": str(errno.EACCES), "workdir": "reached"}, report["stderr"][-1000:]
+    assert not report["accepted"] and report["seconds"] < 8, "the daemon must die with the run"
+
+
+@needs_root_and_setpriv
+def test_without_user_namespaces_and_landlock_it_refuses_naming_both() -> None:
+    completed = _in_default_container(("landlock_create_ruleset",))
     assert completed.returncode == 3, completed.stderr[-2000:]
     (line,) = completed.stdout.strip().splitlines()
     assert line.startswith("UNAVAILABLE the Python sandbox cannot isolate code on this machine: user (no: "
                            "[Errno 1] unshare(user): Operation not permitted"), line
-    assert "'ran'" not in line and "--unsafe-sandbox" in line
+    assert "and no Landlock, the tier without namespaces" in line and "--unsafe-sandbox" in line

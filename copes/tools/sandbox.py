@@ -35,14 +35,14 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 
 from copes.errors import ConfigError
-from copes.tools import sandbox_child, seccomp
+from copes.tools import landlock, sandbox_child, seccomp
 from copes.tools.cgroups import RunCgroup
 
 logger = logging.getLogger(__name__)
 
 CHILD_SCRIPT = sandbox_child.__file__
 # Standard-library modules the bootstrap loads by path (it runs from a memfd, so it has no package to import from).
-CHILD_HELPERS = {"seccomp": seccomp.__file__}
+CHILD_HELPERS = {"seccomp": seccomp.__file__, "landlock": landlock.__file__}
 # Every protection the child verifies (and the caller's CPU budget); strict mode needs all of them.
 PROTECTIONS = ("user", "network", "filesystem", "pid_namespace", "ipc", "keyring", "capabilities", "memory",
                "process_limit", "disk", "rlimits", "nested_namespaces", "seccomp", "oom", "cpu_budget",
@@ -63,7 +63,8 @@ _RUN_OWN_PROCESSES = 2
 _STOP_GRACE_S = 5.0
 _HOW_TO_ALLOW = (
     "the sandbox needs user namespaces (sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1; "
-    "in Docker a seccomp profile that allows unshare) and writable cgroup memory and pids controllers "
+    "in Docker a seccomp profile that allows unshare) or, without them, Landlock (kernel 5.13+, landlock in the "
+    "lsm= boot parameter), and writable cgroup memory and pids controllers "
     "(run as root, or delegate a cgroup v2 subtree to this user); or pass --unsafe-sandbox "
     "(config unsafe_sandbox: true) to run model-written code without these protections"
 )
@@ -164,17 +165,18 @@ class PythonSandbox:
         if not isinstance(code, str):
             raise ValueError(f"code must be a str, got {type(code).__name__}")
         cgroup = RunCgroup.create(self.memory_bytes, self.max_processes + _RUN_OWN_PROCESSES)
+        host_workdirs: list[str] = []  # filled as soon as the report names one, so a refused run leaves none
         try:
-            result, host_workdir = self._execute(code, cgroup)
+            result = self._execute(code, cgroup, host_workdirs)
         finally:
             if isinstance(cgroup, RunCgroup):
-                cgroup.remove()
-        if host_workdir is not None:
-            remove_tree(host_workdir)
+                cgroup.remove()  # first: it kills whatever of the run could still write to the work dir
+            for path in host_workdirs:
+                remove_tree(path)
         _log_gaps_once(result.isolation)
         return result
 
-    def _execute(self, code: str, cgroup: RunCgroup | str) -> tuple[SandboxResult, str | None]:
+    def _execute(self, code: str, cgroup: RunCgroup | str, host_workdirs: list[str]) -> SandboxResult:
         report_read, report_write = os.pipe()
         # surrogatepass keeps odd model output byte-faithful; the interpreter then reports it as a SyntaxError.
         code_bytes = code.encode("utf-8", errors="surrogatepass")
@@ -227,7 +229,8 @@ class PythonSandbox:
                 process.stdout.close()
                 process.stderr.close()
             report = _parse_report(report_pipe.read())
-        if not report["isolation"].get("pid_namespace", "no").startswith("yes"):
+        host_workdirs += [report["host_workdir"]] if "host_workdir" in report else []
+        if report.get("tier") != "namespaces":
             _kill_group(process)  # without a pid namespace, children may still run in the bootstrap's group
         isolation = report["isolation"]
         if isolation:
@@ -251,7 +254,7 @@ class PythonSandbox:
             tier=report.get("tier", "none"),
             cpu_budget_exceeded=cpu_exceeded,
         )
-        return result, report.get("host_workdir")
+        return result
 
     @property
     def run_cpu_seconds(self) -> int:

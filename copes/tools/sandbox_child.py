@@ -70,7 +70,11 @@ EXIT_SETUP_FAILED = 125
 EXIT_EXEC_FAILED = 127
 
 libc = ctypes.CDLL(None, use_errno=True)
-SECCOMP = None  # the seccomp helper module, loaded by `main`
+SECCOMP = LANDLOCK = None  # the helper modules, loaded by `main`
+PR_SET_CHILD_SUBREAPER = 36
+# The Landlock tier's work dir goes on this tmpfs where there is one: its pages are charged to the run's memory
+# cgroup, so the whole-run memory limit bounds the disk the run can fill.
+SHARED_MEMORY = "/dev/shm"
 
 
 class Refused(OSError):
@@ -344,9 +348,7 @@ def _drop_capabilities() -> str:
                       ctypes.c_ulong(0)), "prctl(PR_SET_NO_NEW_PRIVS)")
     libc.prctl(PR_CAP_AMBIENT, ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), ctypes.c_ulong(0), ctypes.c_ulong(0),
                ctypes.c_ulong(0))
-    last_cap = int(open("/proc/sys/kernel/cap_last_cap").read())
-    for cap in range(last_cap + 1):
-        libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    _drop_bounding_set()
     header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()
     _check(libc.capset(header, data), "capset")
@@ -356,6 +358,12 @@ def _drop_capabilities() -> str:
     if held or status["NoNewPrivs"].strip() != "1":
         raise Refused(0, f"capabilities still held: {held}")
     return "none: effective, permitted, inheritable, ambient and bounding sets empty; no_new_privs"
+
+
+def _drop_bounding_set() -> None:
+    last_cap = int(open("/proc/sys/kernel/cap_last_cap").read())
+    for cap in range(last_cap + 1):
+        libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
 def _set_rlimits(limits: dict[str, int]) -> bool:
@@ -397,12 +405,13 @@ def _confine_and_check(config: dict, report: Report, without_namespaces: bool) -
     nested_ok = report.verdict("nested_namespaces", nested is None, nested or (
         "none: " + ("" if without_namespaces else "max_user_namespaces 0 in the run's user namespace, and ")
         + "seccomp denies unshare, clone and setns with namespace flags"))
-    hidden = _bootstrap_visible()
-    hidden_ok = report.verdict("bootstrap_hidden", hidden is None, hidden or (
-        "/proc/1/cmdline names no path, cgroup or caller pid (the configuration came through a memfd); "
-        "/proc/self/cgroup shows a private cgroup namespace's root"))
-    return [name for name, ok in (("seccomp", seccomp_ok), ("oom", oom_ok), ("nested_namespaces", nested_ok),
-                                  ("bootstrap_hidden", hidden_ok)) if not ok]
+    checks = [("seccomp", seccomp_ok), ("oom", oom_ok), ("nested_namespaces", nested_ok)]
+    if not without_namespaces:  # the Landlock tier checks it once /proc is out of reach
+        hidden = _bootstrap_visible()
+        checks.append(("bootstrap_hidden", report.verdict("bootstrap_hidden", hidden is None, hidden or (
+            "/proc/1/cmdline names no path, cgroup or caller pid (the configuration came through a memfd); "
+            "/proc/self/cgroup shows a private cgroup namespace's root"))))
+    return [name for name, ok in checks if not ok]
 
 
 def _nested_user_namespaces(without_namespaces: bool) -> str | None:
@@ -430,7 +439,150 @@ def _bootstrap_visible() -> str | None:
     return f"/proc/self/cgroup shows the run's cgroup paths: {shown[0]}" if shown else None
 
 
-def _exec_user_code(config: dict, report: Report, workdir: str) -> NoReturn:
+def _confine_with_landlock(config: dict, report: Report, workdir: str) -> list[str]:
+    """The Landlock tier's filesystem, network and scoping, then checks of each from inside."""
+    version = LANDLOCK.abi()
+    devices = [f"/dev/{device}" for device in DEVICES]
+    try:
+        said = LANDLOCK.restrict(config["binds"], [workdir, *devices], version)
+    except OSError as error:
+        report.verdict("filesystem", False, f"cannot apply Landlock: {error}")
+        return ["filesystem"]
+    outside = [path for path in ("/", "/tmp", "/proc/self/status") if _reachable(path)]
+    written = [path for path in config["binds"][:1] if _writable(path)]
+    fs_ok = report.verdict("filesystem", not outside and not written and _writable(workdir),
+                           f"{said}" if not (outside or written) else f"still reachable: {outside + written}")
+    bootstrap = f"/proc/{os.getppid()}/cmdline"
+    hidden_ok = report.verdict("bootstrap_hidden", not _reachable(bootstrap),
+                               f"{bootstrap} and the rest of /proc are out of reach (Landlock)")
+    return [name for name, ok in (("filesystem", fs_ok), ("bootstrap_hidden", hidden_ok)) if not ok]
+
+
+def _reachable(path: str) -> bool:
+    try:
+        os.listdir(path) if os.path.isdir(path) else open(path, "rb").close()
+    except OSError:
+        return False
+    return True
+
+
+def _writable(directory: str) -> bool:
+    probe = os.path.join(directory if os.path.isdir(directory) else os.path.dirname(directory), ".copes-probe")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError:
+        return False
+    os.unlink(probe)
+    return True
+
+
+def _user_namespaces_allowed() -> bool:
+    """Whether this process may make a user namespace (a forked child tries; a container's seccomp profile or
+    a sysctl may forbid it)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if libc.unshare(ctypes.c_int(NAMESPACES["user"])) == 0 else 1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def _enter_landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn:
+    """Who the code runs as here. From Landlock ABI 6, which scopes signals and ptrace to the run, it keeps the
+    caller's uid (with no capabilities, root's 0700 directories such as a pyenv under /root stay reachable);
+    before that, root switches to a per-run uid, dropping the bounding set first, which needs CAP_SETPCAP."""
+    if LANDLOCK.abi() >= 6:
+        config["run_uid"] = None
+    elif config["run_uid"] is not None:
+        _drop_bounding_set()
+        _become_run_user(config)
+    _landlock_tier(config, report, missing)
+
+
+def _landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn:
+    """No user namespace to be had: the bootstrap itself runs the code, confined by Landlock, the seccomp filter
+    (which then also denies sockets and IPC lookups) and rlimits; it reaps every orphan, and when the code ends
+    kills whatever of the run is left (its cgroup says which processes those are)."""
+    version = LANDLOCK.abi()
+    run_uid = config["run_uid"]
+    scoped = version >= 6
+    for protection in PROTECTION_OF.values():
+        report.isolation.pop(protection, None)
+    if not version:
+        report.verdict("filesystem", False, "neither a user namespace nor Landlock (kernel 5.13+, lsm=landlock)")
+        missing.append("filesystem")
+    report.verdict("user", bool(run_uid) or scoped,
+                   f"per-run uid {run_uid}" if run_uid else
+                   f"the caller's uid {os.getuid()}" + (", its signals and ptrace scoped to the run by Landlock"
+                                                        if scoped else " with nothing to scope its signals"))
+    report.verdict("network", True, "seccomp denies socket() for every address family"
+                                    + ("; Landlock denies TCP bind and connect" if version >= 4 else ""))
+    report.verdict("ipc", True, "seccomp denies System V IPC lookups and mq_open"
+                                + ("; Landlock scopes abstract unix sockets to the run" if scoped else ""))
+    report.verdict("pid_namespace", bool(run_uid) or scoped,
+                   "no pid namespace: the bootstrap reaps every orphan and kills what is left of the run (its "
+                   "cgroup's members) when the code ends; /proc is out of reach")
+    try:  # a container's own seccomp profile may deny keyctl already
+        _syscall("keyctl", ctypes.c_int(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None))
+    except Refused:
+        pass
+    report.verdict("keyring", True, "seccomp denies every keyring call (checked with the filter)")
+    missing += [name for name in ("user", "pid_namespace") if not report.isolation[name].startswith("yes")]
+    shared = SHARED_MEMORY if _is_tmpfs(SHARED_MEMORY) else None
+    workdir = tempfile.mkdtemp(prefix="copes_sandbox_", dir=shared)
+    report.verdict("disk", shared is not None,
+                   f"work dir {workdir} on tmpfs, charged to the run's memory cgroup (memory and disk together "
+                   f"at most {config['rlimits']['memory_bytes'] >> 20} MiB); RLIMIT_FSIZE per file"
+                   if shared else f"work dir {workdir} on the host disk, bounded per file only")
+    missing += [] if shared else ["disk"]
+    report.send(host_workdir=workdir, tier="landlock")
+    report.stop_if_missing(missing)
+    with open(os.path.join(workdir, "main.py"), "wb") as file:
+        file.write(os.pread(config["code_fd"], config["code_bytes"], 0))
+    os.close(config["code_fd"])
+    _check(libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0)), "prctl(PR_SET_CHILD_SUBREAPER)")
+    user_pid = os.fork()
+    if user_pid == 0:
+        _exec_user_code(config, report, workdir, landlock=True)
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == user_pid:
+            break
+    _kill_the_rest_of_the_run(config)
+    report.send(exit_status=os.waitstatus_to_exitcode(status))
+    os._exit(0)
+
+
+def _is_tmpfs(mount_point: str) -> bool:
+    for line in open("/proc/self/mountinfo").read().splitlines():
+        fields = line.split()
+        if fields[4] == mount_point:
+            return fields[fields.index("-") + 1] == "tmpfs"
+    return False
+
+
+def _kill_the_rest_of_the_run(config: dict) -> None:
+    """Every process of the run but this one (daemons that left the process group too), until none is left."""
+    if config["cgroup"] is None:  # unsafe mode only: the caller kills our process group
+        return
+    procs_file = config["cgroup"]["procs_files"][0]
+    for _ in range(1000):
+        others = [int(pid) for pid in open(procs_file).read().split() if int(pid) != os.getpid()]
+        if not others:
+            return
+        for pid in others:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        while True:  # reap what we were given as subreaper
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+
+
+def _exec_user_code(config: dict, report: Report, workdir: str, landlock: bool = False) -> NoReturn:
     limits = config["rlimits"]
     try:
         rlimits_ok = _set_rlimits(limits)
@@ -443,7 +595,10 @@ def _exec_user_code(config: dict, report: Report, workdir: str) -> NoReturn:
         except Refused as error:
             ok = report.verdict("capabilities", False, str(error))
         missing = [name for name, held in (("capabilities", ok), ("rlimits", rlimits_ok)) if not held]
-        report.stop_if_missing(missing + _confine_and_check(config, report, without_namespaces=False))
+        missing += _confine_and_check(config, report, without_namespaces=landlock)
+        if landlock:  # last: from here on /proc is out of reach
+            missing += _confine_with_landlock(config, report, workdir)
+        report.stop_if_missing(missing)
         report.send()
         os.set_inheritable(report.fd, False)  # the code must not be able to forge the report
         os.close(report.fd)
@@ -543,15 +698,21 @@ def _load_helpers(config: dict) -> dict:
 
 
 def main(config: dict) -> NoReturn:
-    global SECCOMP
+    global SECCOMP, LANDLOCK
     report = Report(config["report_fd"], strict=not config["unsafe"])
-    SECCOMP = _load_helpers(config)["seccomp"]
+    helpers = _load_helpers(config)
+    SECCOMP, LANDLOCK = helpers["seccomp"], helpers["landlock"]
     with open("/proc/self/oom_score_adj", "w") as file:  # raising it needs no privilege; lowering it does
         file.write(str(OOM_SCORE_ADJ))
     missing = _join_cgroups(config, report)
+    if not _user_namespaces_allowed() and LANDLOCK.abi():
+        _enter_landlock_tier(config, report, missing)
     root_built, root_error = _build_root_as_root(config)
     _become_run_user(config)
     unavailable = _enter_namespaces(config, report)
+    if "user" in unavailable:  # and so no Landlock either (see above): neither tier can be had
+        report.isolation["user"] += ("; and no Landlock, the tier without namespaces (kernel 5.13+ with "
+                                     "landlock in lsm=)")
     missing += unavailable + _check_namespaces(config, report, unavailable)
     report.stop_if_missing(missing)
     report.send(tier="namespaces" if "user" not in unavailable else "none")

@@ -5,7 +5,7 @@ Denied with EPERM, in both tiers: io_uring, perf_event_open, userfaultfd, bpf, t
 fanotify (a view of other runs' and the trainer's file activity), setns, and unshare / clone asking for any new
 namespace. clone3 gets ENOSYS, because its flags sit behind a pointer the filter cannot read: glibc then falls back
 to clone, whose flags it can. The Landlock tier (no namespaces) also denies `socket` (every address family; the
-private network namespace's job there) and System V IPC lookups (the private IPC namespace's job). System calls of
+private network namespace's job there), System V IPC lookups and mq_open (the private IPC namespace's job). System calls of
 a foreign ABI (i386 or x32 on x86_64) are denied as a whole.
 
 `probe()` checks from inside that the filter answers: it makes each denied call with arguments the kernel itself
@@ -26,16 +26,18 @@ SYSCALLS = {
     "x86_64": {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "perf_event_open": 298,
                "userfaultfd": 323, "bpf": 321, "add_key": 248, "request_key": 249, "keyctl": 250,
                "inotify_init": 253, "inotify_init1": 294, "fanotify_init": 300, "setns": 308, "unshare": 272,
-               "clone": 56, "clone3": 435, "socket": 41, "shmget": 29, "semget": 64, "msgget": 68},
+               "clone": 56, "clone3": 435, "socket": 41, "shmget": 29, "semget": 64, "msgget": 68,
+               "mq_open": 240, "landlock_create_ruleset": 444},
     "aarch64": {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "perf_event_open": 241,
                 "userfaultfd": 282, "bpf": 280, "add_key": 217, "request_key": 218, "keyctl": 219,
                 "inotify_init1": 26, "fanotify_init": 262, "setns": 268, "unshare": 97, "clone": 220,
-                "clone3": 435, "socket": 198, "shmget": 194, "semget": 190, "msgget": 186},
+                "clone3": 435, "socket": 198, "shmget": 194, "semget": 190, "msgget": 186,
+                "mq_open": 180, "landlock_create_ruleset": 444},
 }
 DENIED = ("io_uring_setup", "io_uring_enter", "io_uring_register", "perf_event_open", "userfaultfd", "bpf",
           "add_key", "request_key", "keyctl", "inotify_init", "inotify_init1", "fanotify_init", "setns")
 # Without namespaces these stand in for the private network and IPC namespaces.
-DENIED_WITHOUT_NAMESPACES = ("socket", "shmget", "semget", "msgget")
+DENIED_WITHOUT_NAMESPACES = ("socket", "shmget", "semget", "msgget", "mq_open")
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET | NEWTIME
 NAMESPACE_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
 _CLONE_FS, _CLONE_SETTLS, _CLONE_NEWUSER = 0x200, 0x80000, 0x10000000
@@ -59,15 +61,16 @@ def _deny(errno_value: int) -> int:
     return _RET_ERRNO | errno_value
 
 
-def program(without_namespaces: bool, machine: str | None = None) -> bytes:
-    """The filter for this machine's architecture; raises KeyError on one we have no syscall table for."""
+def program(without_namespaces: bool, machine: str | None = None, also_deny: tuple[str, ...] = ()) -> bytes:
+    """The filter for this machine's architecture (`also_deny`: more calls of SYSCALLS to deny with EPERM, as a
+    container's own profile may); raises KeyError on an architecture we have no syscall table for."""
     machine = machine or platform.machine()
     numbers = SYSCALLS[machine]
     ops = [_op(_LD_W_ABS, _ARCH_OFFSET), _op(_JEQ_K, _ARCH[machine], jt=1), _op(_RET_K, _deny(errno.EPERM)),
            _op(_LD_W_ABS, _NR_OFFSET)]
     if machine == "x86_64":
         ops += [_op(_JGE_K, _X32_SYSCALL_BIT, jf=1), _op(_RET_K, _deny(errno.EPERM))]
-    denied = DENIED + (DENIED_WITHOUT_NAMESPACES if without_namespaces else ())
+    denied = DENIED + (DENIED_WITHOUT_NAMESPACES if without_namespaces else ()) + also_deny
     for name in denied:
         if name in numbers:  # aarch64 has no inotify_init
             ops += [_op(_JEQ_K, numbers[name], jf=1), _op(_RET_K, _deny(errno.EPERM))]
@@ -79,9 +82,9 @@ def program(without_namespaces: bool, machine: str | None = None) -> bytes:
     return b"".join(ops)
 
 
-def install(without_namespaces: bool) -> None:
+def install(without_namespaces: bool, also_deny: tuple[str, ...] = ()) -> None:
     """Install the filter on the calling thread (inherited over fork and exec); needs no_new_privs set first."""
-    code = program(without_namespaces)
+    code = program(without_namespaces, also_deny=also_deny)
     fprog = _SockFprog(len(code) // 8, code)
     if libc.prctl(_PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(fprog),
                   ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
@@ -112,8 +115,9 @@ def probe(without_namespaces: bool) -> dict[str, bool]:
     }
     if "inotify_init" in numbers:
         calls["inotify_init"] = ("inotify_init",)
-    if without_namespaces:
-        calls["socket"] = ("socket", -1, 0, 0)  # EAFNOSUPPORT for the kernel
+    if without_namespaces:  # the kernel's own answers: EAFNOSUPPORT, EINVAL, EINVAL, ENOENT, EFAULT
+        calls.update({"socket": ("socket", -1, 0, 0), "shmget": ("shmget", 0, 0, 0), "semget": ("semget", 0, -1, 0),
+                      "msgget": ("msgget", 0x7FFFFFFF, 0), "mq_open": ("mq_open", None, 0, 0, None)})
     denied = {label: _answer(*call) == errno.EPERM for label, call in calls.items()}
     denied["clone3"] = _answer("clone3", None, 0) == errno.ENOSYS  # EINVAL for the kernel
     return denied
