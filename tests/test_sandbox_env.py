@@ -223,3 +223,20 @@ def test_without_user_namespaces_and_landlock_it_refuses_naming_both() -> None:
     assert line.startswith("UNAVAILABLE the Python sandbox cannot isolate code on this machine: user (no: "
                            "[Errno 1] unshare(user): Operation not permitted"), line
     assert "and no Landlock, the tier without namespaces" in line and "--unsafe-sandbox" in line
+
+
+def test_the_landlock_tier_can_be_asked_for_and_keeps_the_process_limit() -> None:
+    from copes.tools import landlock
+
+    if not landlock.abi():
+        pytest.skip("this kernel has no Landlock")
+    code = (
+        "import os, time\nchildren = 0\n"
+        "try:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n            os._exit(0)\n"
+        "        children += 1\nexcept OSError as error:\n    print(children, error.errno)\n"
+    )
+    result = PythonSandbox(timeout_s=10.0, max_processes=8, tier="landlock").run(code)
+    assert result.tier == "landlock" and result.stdout == f"7 {errno.EAGAIN}\n", (result.stdout, result.stderr)
+    assert not result.timed_out, "the sleeping children die with the run"
+    with pytest.raises(ValueError, match="tier"):
+        PythonSandbox(tier="chroot")

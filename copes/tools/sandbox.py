@@ -48,6 +48,8 @@ PROTECTIONS = ("user", "network", "filesystem", "pid_namespace", "ipc", "keyring
                "process_limit", "disk", "rlimits", "nested_namespaces", "seccomp", "oom", "cpu_budget",
                "bootstrap_hidden")
 # Per-run uids come from a range no distribution allocates, so a collision with a real account is implausible.
+# "auto": namespaces where user namespaces can be had, else Landlock; "landlock": Landlock even where they can.
+TIERS = ("auto", "landlock")
 _SANDBOX_UIDS = range(1_000_000_000, 2_000_000_000)
 # System library directories the interpreter and compiled extensions load from (never data).
 _LIBRARY_PATHS = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache")
@@ -104,6 +106,7 @@ class PythonSandbox:
     `memory_bytes` bounds the whole run (every process together) and each process's address space;
     `max_processes` the processes of the whole run; `max_disk_bytes` / `max_files` its work dir; `cpu_seconds`
     each process (RLIMIT_CPU, SIGXCPU), and `cpu_seconds + 1` (the per-process hard limit) the whole run.
+    `tier` (TIERS) picks how the run is isolated.
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class PythonSandbox:
         max_files: int = 4096,
         python: str = sys.executable,
         unsafe: bool = False,
+        tier: str = "auto",
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -135,6 +139,8 @@ class PythonSandbox:
         for name, value in positive_ints.items():
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
         if not (os.path.isfile(python) and os.access(python, os.X_OK)):
             raise ValueError(f"python must be an executable interpreter path, got {python!r}")
         self.timeout_s = float(timeout_s)
@@ -148,6 +154,7 @@ class PythonSandbox:
         self.max_files = max_files
         self.python = os.path.abspath(python)
         self.unsafe = unsafe
+        self.tier = tier
 
     @cached_property
     def _layout(self) -> dict:
@@ -183,6 +190,7 @@ class PythonSandbox:
         code_fd = _memfd("copes-sandbox-code", code_bytes)
         config = {
             "unsafe": self.unsafe,
+            "tier": self.tier,
             "python": self.python,
             "run_uid": _pick_sandbox_uid(),
             "report_fd": report_write,

@@ -507,7 +507,7 @@ def _landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn
     for protection in PROTECTION_OF.values():
         report.isolation.pop(protection, None)
     if not version:
-        report.verdict("filesystem", False, "neither a user namespace nor Landlock (kernel 5.13+, lsm=landlock)")
+        report.verdict("filesystem", False, "no Landlock on this kernel (5.13+, landlock in the lsm= boot parameter)")
         missing.append("filesystem")
     report.verdict("user", bool(run_uid) or scoped,
                    f"per-run uid {run_uid}" if run_uid else
@@ -540,9 +540,23 @@ def _landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn
     os.close(config["code_fd"])
     _check(libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
                       ctypes.c_ulong(0)), "prctl(PR_SET_CHILD_SUBREAPER)")
+    if config["cgroup"] is not None:  # no init process here: give its place in the pids limit to nobody
+        pids_file, _, limit = config["cgroup"]["pids"]
+        try:
+            with open(pids_file, "w") as file:
+                file.write(str(limit - 1))
+        except OSError:
+            pass  # a per-run uid may not write it: the run gets one process more than asked
     user_pid = os.fork()
     if user_pid == 0:
         _exec_user_code(config, report, workdir, landlock=True)
+
+    def end_the_run(_signum: int, _frame: object) -> None:
+        # As the namespaces tier's pid 1 dies: every process of the run first, then the bootstrap, by SIGKILL.
+        _kill_the_rest_of_the_run(config)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, end_the_run)
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == user_pid:
@@ -705,7 +719,7 @@ def main(config: dict) -> NoReturn:
     with open("/proc/self/oom_score_adj", "w") as file:  # raising it needs no privilege; lowering it does
         file.write(str(OOM_SCORE_ADJ))
     missing = _join_cgroups(config, report)
-    if not _user_namespaces_allowed() and LANDLOCK.abi():
+    if config["tier"] == "landlock" or (not _user_namespaces_allowed() and LANDLOCK.abi()):
         _enter_landlock_tier(config, report, missing)
     root_built, root_error = _build_root_as_root(config)
     _become_run_user(config)
