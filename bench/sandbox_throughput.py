@@ -1,5 +1,6 @@
-"""Python sandbox throughput: runs per second of a trivial program, this checkout's sandbox vs git main's, in
-the same run (goal: no more than 20% slower).
+"""Python sandbox throughput: runs per second of a trivial program, each tier of this checkout's sandbox (the
+namespaces tier, and the Landlock tier where the kernel has Landlock) vs git main's, in the same run (goal: no
+more than 20% slower).
 
 main's sandbox modules (`copes/tools/sandbox.py`, `sandbox_child.py`, `cgroups.py`, and `seccomp.py` where it has
 one) are read with `git show` into a package in a temporary directory, their `copes.tools` imports pointed at it,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -22,33 +24,37 @@ from types import ModuleType
 
 from harness import alternating_best_seconds, machine_note, report
 
-from copes.tools import PythonSandbox
+from copes.tools import PythonSandbox, landlock
 
 REPO = Path(__file__).resolve().parents[1]
 TRIVIAL_PROGRAM = "print(sum(range(10)))"
 
 
-_SANDBOX_MODULES = ("sandbox", "sandbox_child", "cgroups", "seccomp")
+_SANDBOX_MODULES = ("sandbox", "sandbox_child", "cgroups", "seccomp", "landlock")
 
 
 def sandbox_module_from_git(revision: str, folder: Path) -> ModuleType:
-    """`copes/tools/sandbox.py` as of `revision`, with the modules it imports, as the package `base_tools`."""
-    package = folder / "base_tools"
+    """`copes/tools/sandbox.py` as of `revision`, with the modules it imports, as a package of its own (a fresh
+    name for each call, so two calls never share modules)."""
+    name = f"base_tools_{secrets.token_hex(4)}"
+    package = folder / name
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in _SANDBOX_MODULES:
-        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:copes/tools/{name}.py"],
+    for module in _SANDBOX_MODULES:
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:copes/tools/{module}.py"],
                                capture_output=True, text=True)
-        if shown.returncode == 0:  # older revisions lack seccomp.py
-            source = shown.stdout.replace("from copes.tools import", "from base_tools import")
-            (package / f"{name}.py").write_text(source.replace("from copes.tools.", "from base_tools."))
+        if shown.returncode == 0:  # older revisions lack some of them
+            source = shown.stdout.replace("from copes.tools import", f"from {name} import")
+            (package / f"{module}.py").write_text(source.replace("from copes.tools.", f"from {name}."))
     sys.path.insert(0, str(folder))
-    return importlib.import_module("base_tools.sandbox")
+    return importlib.import_module(f"{name}.sandbox")
 
 
 def measure(base: str, runs_per_round: int, rounds: int) -> list[dict[str, object]]:
     with tempfile.TemporaryDirectory(prefix="copes-bench-sandbox-") as folder:
         sandboxes = {base: sandbox_module_from_git(base, Path(folder)).PythonSandbox(), "this": PythonSandbox()}
+        if landlock.abi():
+            sandboxes["this, tier=landlock"] = PythonSandbox(tier="landlock")
         tiers = {}
         for name, sandbox in sandboxes.items():
             result = sandbox.run(TRIVIAL_PROGRAM)
