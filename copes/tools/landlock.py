@@ -40,11 +40,15 @@ def _check(result: int, what: str) -> int:
     return result
 
 
-def restrict(readable: list[str], writable: list[str], version: int) -> str:
-    """Confine the calling process (see the module docstring); returns what is now enforced, in words."""
+def restrict(readable: list[str], writable: list[str], version: int, writes_only: bool = False) -> str:
+    """Confine the calling process (see the module docstring); returns what is now enforced, in words.
+    `writes_only`: leave reads, the network and signals alone (the namespaces tier, whose root and namespaces see
+    to those) and deny every write outside `writable`, /proc/self/oom_score_adj included."""
     fs_rights = _FS_RIGHTS_BY_ABI.get(version, _FS_RIGHTS_BY_ABI[5])
-    net_rights = _NET_BIND_TCP | _NET_CONNECT_TCP if version >= 4 else 0
-    scopes = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if version >= 6 else 0
+    if writes_only:
+        fs_rights &= ~(EXECUTE | READ_FILE | READ_DIR)
+    net_rights = _NET_BIND_TCP | _NET_CONNECT_TCP if version >= 4 and not writes_only else 0
+    scopes = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if version >= 6 and not writes_only else 0
     attr = struct.pack("<QQQ", fs_rights, net_rights, scopes)[: 8 if version < 4 else 16 if version < 6 else 24]
     ruleset = _check(libc.syscall(ctypes.c_long(_CREATE_RULESET), ctypes.c_char_p(attr), ctypes.c_size_t(len(attr)),
                                   ctypes.c_uint32(0)), "landlock_create_ruleset")
@@ -63,8 +67,9 @@ def restrict(readable: list[str], writable: list[str], version: int) -> str:
                "landlock_restrict_self")
     finally:
         os.close(ruleset)
-    said = [f"Landlock ABI {version}: read and execute only beneath the {len(readable)} interpreter and library "
-            f"paths, write only beneath {', '.join(writable)}"]
+    said = [f"Landlock ABI {version}: " + ("" if writes_only else f"read and execute only beneath the "
+                                                                 f"{len(readable)} interpreter and library paths, ")
+            + f"write only beneath {', '.join(writable)}"]
     said += ["no TCP bind or connect"] if net_rights else []
     said += ["no abstract unix sockets or signals outside the run"] if scopes else []
     return "; ".join(said)

@@ -399,8 +399,16 @@ def _confine_and_check(config: dict, report: Report, without_namespaces: bool) -
     """The seccomp filter, then the checks only the code's own process can make; returns what failed."""
     seccomp_ok = _install_seccomp(report, without_namespaces)
     oom = open("/proc/self/oom_score_adj").read().strip()
+    locked = ""
+    if not without_namespaces and LANDLOCK.abi():  # the Landlock tier locks it with its own, wider ruleset
+        try:
+            LANDLOCK.restrict([], [WORKDIR, *(f"/dev/{device}" for device in DEVICES)], LANDLOCK.abi(),
+                              writes_only=True)
+            locked = "; locked there: Landlock denies every write outside the work dir"
+        except OSError as error:
+            locked = f"; not locked ({error}): the code may lower it to the trainer's value"
     oom_ok = report.verdict("oom", oom == str(OOM_SCORE_ADJ), f"oom_score_adj {oom}: the run's processes are "
-                                                                "the kernel's first OOM victims")
+                                                                f"the kernel's first OOM victims{locked}")
     nested = _nested_user_namespaces(without_namespaces)
     nested_ok = report.verdict("nested_namespaces", nested is None, nested or (
         "none: " + ("" if without_namespaces else "max_user_namespaces 0 in the run's user namespace, and ")
