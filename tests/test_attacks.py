@@ -731,3 +731,27 @@ def test_run_cgroups_are_removed_recursively_and_a_dead_trainers_leftovers_at_th
                            env=environment, timeout=60, check=True).stdout.split()
     assert not any(os.path.exists(directory) for directory in leaked), "the next start removes them"
     RunCgroup(fresh, [], ("", "", 0), ("", "", 0)).remove()
+
+
+def test_the_cpu_budget_holds_without_a_cgroup_cpu_counter(monkeypatch) -> None:
+    """A cgroup without cpu or cpuacct (a v1 machine without cpuacct): the run's processes are accounted from
+    /proc instead, and the budget still ends the run."""
+    from copes.tools import sandbox as sandbox_module
+    from copes.tools.cgroups import RunCgroup
+
+    create = RunCgroup.create
+
+    def without_cpu_counter(*args):
+        made = create(*args)
+        if isinstance(made, RunCgroup):
+            made.cpu_usage_file = None
+        return made
+
+    monkeypatch.setattr(sandbox_module.RunCgroup, "create", staticmethod(without_cpu_counter))
+    code = (
+        "import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        break\n"
+        "while time.process_time() < 0.9:\n    pass\nprint('finished')\n"
+    )
+    result = PythonSandbox(timeout_s=60.0, cpu_seconds=1).run(code)
+    assert "summed from /proc" in result.isolation["cpu_budget"], result.isolation["cpu_budget"]
+    assert result.cpu_budget_exceeded and result.stdout.count("finished") < 4, result.stdout

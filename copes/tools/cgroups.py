@@ -9,7 +9,7 @@ to run. Run cgroups go as close to our own cgroup as allowed, so a container's l
 removed after the run with everything nested in them; removal never raises.
 
 The run's CPU use is read from the same cgroup where the cpu controller (v2) or a cpuacct hierarchy (v1) can be
-had (`cpu_usage_file`), for the caller's whole-run CPU budget. Each run cgroup's name carries the trainer's pid
+had (`cpu_usage_file`), else summed from /proc over the run cgroup's members, for the caller's whole-run budget. Each run cgroup's name carries the trainer's pid
 (`copes-sandbox-<pid>-<random>`): the first run of a process removes those a dead trainer left behind.
 """
 
@@ -21,11 +21,12 @@ import re
 import secrets
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 logger = logging.getLogger(__name__)
 _REMOVE_ATTEMPTS = 50  # x 10 ms: the kernel frees a cgroup a moment after its last process is reaped
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _RUN_NAME = re.compile(r"copes-sandbox-(\d+)-[0-9a-f]+")
 _swept: set[tuple[int, str]] = set()  # (our pid, parent directory) already cleaned of dead trainers' leftovers
 
@@ -79,11 +80,14 @@ class RunCgroup:
     memory: tuple[str, str, int]
     pids: tuple[str, str, int]
     cpu_usage_file: str | None = None
+    # Without a cgroup CPU counter: the last CPU time read from /proc for each process of the run.
+    cpu_seen: dict[int, float] = field(default_factory=dict)
 
     def cpu_seconds_used(self) -> float | None:
-        """CPU time of every process of the run so far, dead ones included; None without a cpu counter."""
+        """CPU time of every process of the run so far: the cgroup's counter (dead processes included), else the
+        sum of what /proc showed for each member when last read (a process's time after that reading is lost)."""
         if self.cpu_usage_file is None:
-            return None
+            return self._cpu_seconds_from_proc()
         try:
             text = open(self.cpu_usage_file).read()
         except OSError:
@@ -173,6 +177,19 @@ class RunCgroup:
                    (os.path.join(memory_dir, "memory.limit_in_bytes"), os.path.join(memory.path, name), memory_bytes),
                    (os.path.join(pids_dir, "pids.max"), os.path.join(pids.path, name), max_processes),
                    cpuacct_dir and os.path.join(cpuacct_dir, "cpuacct.usage"))
+
+    def _cpu_seconds_from_proc(self) -> float:
+        try:
+            members = open(self.procs_files[0]).read().split()
+        except OSError:
+            members = []
+        for pid in members:
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone: its last reading stays counted
+            self.cpu_seen[int(pid)] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime + stime
+        return sum(self.cpu_seen.values())
 
     def remove(self) -> None:
         remove_cgroups(self.directories)

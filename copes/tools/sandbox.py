@@ -273,7 +273,9 @@ class PythonSandbox:
         if isinstance(cgroup, str):
             return "no: no run cgroup to account the run's CPU time in (see memory)"
         if cgroup.cpu_usage_file is None:
-            return "no: no cgroup cpu or cpuacct counter for the run; RLIMIT_CPU per process only"
+            return (f"yes: {self.run_cpu_seconds} CPU-seconds for the whole run, summed from /proc over the run "
+                    f"cgroup's processes every {_CPU_POLL_S * 1000:g} ms (no cgroup CPU counter here); "
+                    f"RLIMIT_CPU {self.cpu_seconds} s per process")
         return (f"yes: {self.run_cpu_seconds} CPU-seconds for the whole run, every process together, read from "
                 f"cgroup {os.path.basename(cgroup.cpu_usage_file)}; RLIMIT_CPU {self.cpu_seconds} s per process")
 
