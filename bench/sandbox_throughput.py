@@ -1,9 +1,12 @@
-"""Python sandbox throughput: runs per second of a trivial program, this checkout's sandbox vs git main's, in
-the same run (goal: no more than 20% slower).
+"""Python sandbox throughput: runs per second of a trivial program, each tier of this checkout's sandbox (the
+namespaces tier, and the Landlock tier where the kernel has Landlock) vs git main's, in the same run (goal: no
+more than 20% slower).
 
-main's `copes/tools/sandbox.py` is read with `git show` into a temporary directory and imported from there (it
-was one self-contained file, its own bootstrap), so the old implementation stays out of the package. Each round
-runs both sandboxes back to back (`common.alternating_best_seconds`), so load on a shared machine hits them alike.
+main's sandbox modules (`copes/tools/sandbox.py`, `sandbox_child.py`, `cgroups.py`, and `seccomp.py` where it has
+one) are read with `git show` into a package in a temporary directory, their `copes.tools` imports pointed at it,
+and imported from there, so the old implementation stays out of the package. Each round runs both sandboxes back
+to back (`harness.alternating_best_seconds`), so load on a shared machine hits them alike. The rows name the tier
+this checkout's sandbox ran in.
 
     python bench/sandbox_throughput.py [--runs-per-round 10] [--rounds 5] [--base main]
 """
@@ -11,7 +14,8 @@ runs both sandboxes back to back (`common.alternating_best_seconds`), so load on
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -20,34 +24,43 @@ from types import ModuleType
 
 from harness import alternating_best_seconds, machine_note, report
 
-from copes.tools import PythonSandbox
+from copes.tools import PythonSandbox, landlock
 
 REPO = Path(__file__).resolve().parents[1]
 TRIVIAL_PROGRAM = "print(sum(range(10)))"
 
 
+_SANDBOX_MODULES = ("sandbox", "sandbox_child", "cgroups", "seccomp", "landlock")
+
+
 def sandbox_module_from_git(revision: str, folder: Path) -> ModuleType:
-    """`copes/tools/sandbox.py` as of `revision`, imported from a copy in `folder`."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{revision}:copes/tools/sandbox.py"],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    path = folder / f"sandbox_{revision.replace('/', '_')}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """`copes/tools/sandbox.py` as of `revision`, with the modules it imports, as a package of its own (a fresh
+    name for each call, so two calls never share modules)."""
+    name = f"base_tools_{secrets.token_hex(4)}"
+    package = folder / name
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for module in _SANDBOX_MODULES:
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:copes/tools/{module}.py"],
+                               capture_output=True, text=True)
+        if shown.returncode == 0:  # older revisions lack some of them
+            source = shown.stdout.replace("from copes.tools import", f"from {name} import")
+            (package / f"{module}.py").write_text(source.replace("from copes.tools.", f"from {name}."))
+    sys.path.insert(0, str(folder))
+    return importlib.import_module(f"{name}.sandbox")
 
 
 def measure(base: str, runs_per_round: int, rounds: int) -> list[dict[str, object]]:
     with tempfile.TemporaryDirectory(prefix="copes-bench-sandbox-") as folder:
         sandboxes = {base: sandbox_module_from_git(base, Path(folder)).PythonSandbox(), "this": PythonSandbox()}
+        if landlock.abi():
+            sandboxes["this, tier=landlock"] = PythonSandbox(tier="landlock")
+        tiers = {}
         for name, sandbox in sandboxes.items():
-            output = sandbox.run(TRIVIAL_PROGRAM).stdout
-            if output != "45\n":
-                raise RuntimeError(f"the {name} sandbox printed {output!r} for {TRIVIAL_PROGRAM!r}")
+            result = sandbox.run(TRIVIAL_PROGRAM)
+            if result.stdout != "45\n":
+                raise RuntimeError(f"the {name} sandbox printed {result.stdout!r} for {TRIVIAL_PROGRAM!r}")
+            tiers[name] = getattr(result, "tier", "namespaces")  # the base predates tiers: namespaces only
 
         def batch(sandbox) -> None:
             for _ in range(runs_per_round):
@@ -57,7 +70,7 @@ def measure(base: str, runs_per_round: int, rounds: int) -> list[dict[str, objec
                                         repeats=rounds)
     rate = {name: runs_per_round / seconds for name, seconds in best.items()}
     return [
-        {"sandbox": name, "runs_per_s": rate[name], "ms_per_run": 1000 / rate[name],
+        {"sandbox": name, "tier": tiers[name], "runs_per_s": rate[name], "ms_per_run": 1000 / rate[name],
          "ratio_vs_base": rate[name] / rate[base]}
         for name in sandboxes
     ]

@@ -216,7 +216,8 @@ def test_the_kernel_keyring_is_not_shared() -> None:
     assert report["secret"] > 0
     found, read, planted = report["sandbox"]
     assert found == "-1" and read == "-1", "the caller's key must be neither found nor read"
-    assert planted == "True" and report["planted_in_caller"] == -1, "a planted key must not reach the caller"
+    # The seccomp filter denies the keyring calls outright: nothing can be planted, and nothing reaches the caller.
+    assert planted == "False" and report["planted_in_caller"] == -1, "a planted key must not reach the caller"
 
 
 def test_deep_directories_and_locked_modes_never_break_cleanup(tmp_path: Path) -> None:
@@ -271,7 +272,7 @@ def _in_user_namespace(setup: str, code: str, unsafe: bool = False) -> subproces
         "import json, sys\nfrom copes.tools import PythonSandbox, SandboxUnavailable\n"
         f"try:\n    result = PythonSandbox(unsafe={unsafe}).run({code!r})\n"
         "except SandboxUnavailable as error:\n    print('UNAVAILABLE', error)\n    sys.exit(3)\n"
-        "print(json.dumps({'stdout': result.stdout, 'isolation': result.isolation}))\n"
+        "print(json.dumps({'stdout': result.stdout, 'isolation': result.isolation, 'tier': result.tier}))\n"
     )
     return subprocess.run([UNSHARE, "--user", "--map-root-user", "sh", "-c", f"{setup} && exec \"$0\" -c \"$1\"",
                            sys.executable, script], capture_output=True, text=True, timeout=120)
@@ -289,8 +290,15 @@ def _in_user_namespace(setup: str, code: str, unsafe: bool = False) -> subproces
     ],
 )
 def test_fails_closed_when_a_namespace_is_unavailable(limit: str, protection: str) -> None:
+    from copes.tools import landlock
+
     baseline = _in_user_namespace("true", "print('ran')")
     forced = _in_user_namespace(f"echo 0 > /proc/sys/user/{limit}", "print('ran')")
+    if protection == "user" and landlock.abi():  # no user namespace: the second tier, every protection held
+        report = json.loads(forced.stdout.splitlines()[-1])
+        assert report["stdout"] == "ran\n" and report["tier"] == "landlock", forced.stdout
+        assert all(status.startswith("yes") for status in report["isolation"].values()), report["isolation"]
+        return
     assert forced.returncode == 3, forced.stderr[-2000:]
     message = forced.stdout
     assert message.startswith("UNAVAILABLE the Python sandbox cannot isolate code") and "'ran'" not in message
@@ -620,3 +628,130 @@ def test_tool_call_parsing_is_linear_on_hostile_output() -> None:
         assert not call.valid
     parse_tool_calls(hostile[3], "tags", [tool])
     assert time.monotonic() - started < 1.0
+
+
+# ---------------------------------------------------------------- containment classes (wave 3)
+
+
+def test_the_code_cannot_make_a_user_namespace(sandbox: PythonSandbox) -> None:
+    """Nested user namespaces would give the code every capability over new network and mount namespaces."""
+    code = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(open('/proc/sys/user/max_user_namespaces').read().strip())\n"
+        "print(libc.unshare(0x10000000), ctypes.get_errno())\n"  # CLONE_NEWUSER
+        "print(libc.unshare(0x10000000 | 0x40000000), ctypes.get_errno())\n"  # with CLONE_NEWNET
+    )
+    result = sandbox.run(code)
+    assert result.stdout.split("\n")[:3] == ["0", f"-1 {errno.EPERM}", f"-1 {errno.EPERM}"], result.stderr
+    assert result.enforced("nested_namespaces") and result.tier == "namespaces"
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe uses x86_64 syscall numbers")
+def test_seccomp_denies_io_uring_perf_userfaultfd_bpf_inotify(sandbox: PythonSandbox) -> None:
+    calls = {"io_uring_setup": (425, 1, 0), "perf_event_open": (298, 0, 0, -1, -1, 0), "userfaultfd": (323, 0),
+             "bpf": (321, 0, 0, 0), "inotify_init1": (294, 0), "fanotify_init": (300, 0, 0), "setns": (308, 3, 0)}
+    code = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n" + "".join(
+        f"print({name!r}, libc.syscall(*[ctypes.c_long(a) for a in {args!r}]), ctypes.get_errno())\n"
+        for name, args in calls.items()
+    )
+    result = sandbox.run(code)
+    assert result.stdout.splitlines() == [f"{name} -1 {errno.EPERM}" for name in calls], result.stderr
+    assert result.enforced("seccomp"), result.isolation
+
+
+def test_the_run_is_the_first_oom_victim(sandbox: PythonSandbox) -> None:
+    """Every process of the run starts at the kernel's maximum oom_score_adj (a child inherits it), and the code
+    cannot lower it: below the floor the kernel refuses, above it Landlock (where the kernel has it)."""
+    from copes.tools import landlock
+
+    code = (
+        "import os\nif os.fork() == 0:\n    print(open('/proc/self/oom_score_adj').read().strip())\n    os._exit(0)\n"
+        "os.wait()\n"
+        "for value in ('-1', '0'):\n"
+        "    try:\n        with open('/proc/self/oom_score_adj', 'w') as file:\n            file.write(value)\n"
+        "        print('lowered')\n    except OSError as error:\n        print(error.errno)\n"
+    )
+    lines = _lines(sandbox, code)
+    assert lines[:2] == ["1000", str(errno.EACCES)], lines
+    if landlock.abi():
+        assert lines[2] == str(errno.EACCES), lines
+    assert sandbox.run("pass").enforced("oom")
+
+
+def test_the_cpu_budget_holds_for_the_whole_run() -> None:
+    """Four processes each below the per-process CPU limit, together well over the run's budget."""
+    code = (
+        "import os, time\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        "        while time.process_time() < 0.9:\n"
+        "            pass\n"
+        "        os._exit(0)\n"
+        "while time.process_time() < 0.9:\n"
+        "    pass\n"
+        "for _ in range(4):\n"
+        "    os.wait()\n"
+        "print('all done')\n"
+    )
+    result = PythonSandbox(timeout_s=60.0, cpu_seconds=1).run(code)
+    assert result.enforced("cpu_budget"), result.isolation
+    assert result.cpu_budget_exceeded and result.stdout == "", (result.stdout, result.stderr[-300:])
+
+
+def test_the_bootstrap_configuration_is_not_visible(sandbox: PythonSandbox) -> None:
+    code = "print(open('/proc/1/cmdline').read())\nprint(open('/proc/self/cgroup').read())"
+    result = sandbox.run(code)
+    seen = result.stdout
+    assert seen.count("\n") >= 2 and "sandbox_child" not in seen and str(REPO) not in seen
+    assert "copes-sandbox" not in seen and str(os.getpid()) not in seen and "{" not in seen, seen
+    assert result.enforced("bootstrap_hidden")
+
+
+_LEAVE_A_RUN_CGROUP = (
+    "import os\nfrom copes.tools.cgroups import RunCgroup\n"
+    "cgroup = RunCgroup.create(64 << 20, 8)\nprint(' '.join(cgroup.directories))\nos._exit(0)\n"
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the cgroup hierarchies here are writable by root only")
+def test_run_cgroups_are_removed_recursively_and_a_dead_trainers_leftovers_at_the_next_start() -> None:
+    from copes.tools.cgroups import RunCgroup
+
+    cgroup = RunCgroup.create(64 << 20, 8)
+    assert isinstance(cgroup, RunCgroup), cgroup
+    for directory in cgroup.directories:
+        os.makedirs(os.path.join(directory, "nested", "deeper"))
+    cgroup.remove()
+    assert not any(os.path.exists(directory) for directory in cgroup.directories)
+    environment = dict(os.environ, PYTHONPATH=str(REPO))
+    leaked = subprocess.run([sys.executable, "-c", _LEAVE_A_RUN_CGROUP], capture_output=True, text=True,
+                            env=environment, timeout=60, check=True).stdout.split()
+    assert leaked and all(os.path.isdir(directory) for directory in leaked), "a killed trainer leaves these"
+    fresh = subprocess.run([sys.executable, "-c", _LEAVE_A_RUN_CGROUP], capture_output=True, text=True,
+                           env=environment, timeout=60, check=True).stdout.split()
+    assert not any(os.path.exists(directory) for directory in leaked), "the next start removes them"
+    RunCgroup(fresh, [], ("", "", 0), ("", "", 0)).remove()
+
+
+def test_the_cpu_budget_holds_without_a_cgroup_cpu_counter(monkeypatch) -> None:
+    """A cgroup without cpu or cpuacct (a v1 machine without cpuacct): the run's processes are accounted from
+    /proc instead, and the budget still ends the run."""
+    from copes.tools import sandbox as sandbox_module
+    from copes.tools.cgroups import RunCgroup
+
+    create = RunCgroup.create
+
+    def without_cpu_counter(*args):
+        made = create(*args)
+        if isinstance(made, RunCgroup):
+            made.cpu_usage_file = None
+        return made
+
+    monkeypatch.setattr(sandbox_module.RunCgroup, "create", staticmethod(without_cpu_counter))
+    code = (
+        "import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        break\n"
+        "while time.process_time() < 0.9:\n    pass\nprint('finished')\n"
+    )
+    result = PythonSandbox(timeout_s=60.0, cpu_seconds=1).run(code)
+    assert "summed from /proc" in result.isolation["cpu_budget"], result.isolation["cpu_budget"]
+    assert result.cpu_budget_exceeded and result.stdout.count("finished") < 4, result.stdout

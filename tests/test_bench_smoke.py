@@ -176,5 +176,5 @@ def test_sandbox_throughput_times_a_git_revision_against_this_checkout() -> None
     if subprocess.run(["git", "-C", str(BENCH_DIR), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout: there is no revision to compare against")
     rows = sandbox_throughput.measure("HEAD", runs_per_round=1, rounds=1)
-    assert [row["sandbox"] for row in rows] == ["HEAD", "this"]
+    assert [row["sandbox"] for row in rows][:2] == ["HEAD", "this"]  # then the Landlock tier, where there is one
     assert rows[0]["ratio_vs_base"] == 1 and all(row["runs_per_s"] > 0 for row in rows)

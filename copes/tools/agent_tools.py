@@ -107,6 +107,9 @@ class PythonTool:
             parts.append(f"Error: timed out after {self.sandbox.timeout_s:g}s; the program was killed.")
         elif result.output_truncated:
             parts.append(f"Error: output exceeded {self.sandbox.max_output_bytes} bytes; the program was killed.")
+        elif result.cpu_budget_exceeded:
+            parts.append(f"Error: the program's processes used up the run's CPU budget of "
+                         f"{self.sandbox.run_cpu_seconds}s together; the program was killed.")
         elif result.exit_status < 0:
             killed_by = _signal_name(-result.exit_status)
             why = {"SIGXCPU": f" (CPU limit of {self.sandbox.cpu_seconds}s)", "SIGKILL": ""}.get(killed_by, "")

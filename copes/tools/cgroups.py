@@ -6,21 +6,29 @@ kernel's no-internal-processes rule forbids enabling controllers for children of
 such as a session's); otherwise cgroup v1 memory and pids hierarchies we can write to (a hybrid setup, as on
 this project's machines). Without either, `RunCgroup.create` returns the reason and the strict sandbox refuses
 to run. Run cgroups go as close to our own cgroup as allowed, so a container's limits still bound them, and are
-removed after the run; removal never raises.
+removed after the run with everything nested in them; removal never raises.
+
+The run's CPU use is read from the same cgroup where the cpu controller (v2) or a cpuacct hierarchy (v1) can be
+had (`cpu_usage_file`), else summed from /proc over the run cgroup's members, for the caller's whole-run budget. Each run cgroup's name carries the trainer's pid
+(`copes-sandbox-<pid>-<random>`): the first run of a process removes those a dead trainer left behind.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 logger = logging.getLogger(__name__)
 _REMOVE_ATTEMPTS = 50  # x 10 ms: the kernel frees a cgroup a moment after its last process is reaped
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_RUN_NAME = re.compile(r"copes-sandbox-(\d+)-[0-9a-f]+")
+_swept: set[tuple[int, str]] = set()  # (our pid, parent directory) already cleaned of dead trainers' leftovers
 
 
 @dataclass(frozen=True)
@@ -64,12 +72,29 @@ def _write(path: str, value: str) -> None:
 @dataclass
 class RunCgroup:
     """The cgroup directories of one run; `procs_files` are what the run's first process writes its pid to, and
-    `memory` / `pids` say (limit file, path the child must see in /proc/self/cgroup, expected value)."""
+    `memory` / `pids` say (limit file, path the child must see in /proc/self/cgroup, expected value);
+    `cpu_usage_file` is the run's CPU time counter (v2 cpu.stat, v1 cpuacct.usage), None where neither exists."""
 
     directories: list[str]
     procs_files: list[str]
     memory: tuple[str, str, int]
     pids: tuple[str, str, int]
+    cpu_usage_file: str | None = None
+    # Without a cgroup CPU counter: the last CPU time read from /proc for each process of the run.
+    cpu_seen: dict[int, float] = field(default_factory=dict)
+
+    def cpu_seconds_used(self) -> float | None:
+        """CPU time of every process of the run so far: the cgroup's counter (dead processes included), else the
+        sum of what /proc showed for each member when last read (a process's time after that reading is lost)."""
+        if self.cpu_usage_file is None:
+            return self._cpu_seconds_from_proc()
+        try:
+            text = open(self.cpu_usage_file).read()
+        except OSError:
+            return None
+        if self.cpu_usage_file.endswith("cpu.stat"):
+            return int(text.split("usage_usec", 1)[1].split()[0]) / 1e6
+        return int(text) / 1e9
 
     @classmethod
     def create(cls, memory_bytes: int, max_processes: int) -> RunCgroup | str:
@@ -90,7 +115,7 @@ class RunCgroup:
                 return made
             reasons.append(f"cgroup v2: {made}")
         if "memory" in v1 and "pids" in v1:
-            made = cls._create_v1(v1["memory"], v1["pids"], name, memory_bytes, max_processes)
+            made = cls._create_v1(v1["memory"], v1["pids"], v1.get("cpuacct"), name, memory_bytes, max_processes)
             if isinstance(made, cls):
                 return made
             reasons.append(f"cgroup v1: {made}")
@@ -108,6 +133,7 @@ class RunCgroup:
                 _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
         except OSError as error:
             return f"memory and pids controllers not delegated to {parent} ({error.strerror})"
+        _remove_leftovers(parent)
         directory = os.path.join(parent, name)
         try:
             os.mkdir(directory)
@@ -118,18 +144,25 @@ class RunCgroup:
             remove_cgroups([directory])
             return f"cannot set limits in {directory} ({error.strerror})"
         member = os.path.join(hierarchy.path, name)
+        # cpu.stat's usage_usec is there with or without the cpu controller enabled.
         return cls([directory], [os.path.join(directory, "cgroup.procs")],
                    (os.path.join(directory, "memory.max"), member, memory_bytes),
-                   (os.path.join(directory, "pids.max"), member, max_processes))
+                   (os.path.join(directory, "pids.max"), member, max_processes),
+                   os.path.join(directory, "cpu.stat"))
 
     @classmethod
     def _create_v1(
-        cls, memory: _Hierarchy, pids: _Hierarchy, name: str, memory_bytes: int, max_processes: int
+        cls, memory: _Hierarchy, pids: _Hierarchy, cpuacct: _Hierarchy | None, name: str, memory_bytes: int,
+        max_processes: int,
     ) -> RunCgroup | str:
         memory_dir, pids_dir = os.path.join(memory.directory, name), os.path.join(pids.directory, name)
+        cpuacct_dir = None
+        if cpuacct is not None and os.access(cpuacct.directory, os.W_OK):
+            cpuacct_dir = os.path.join(cpuacct.directory, name)
         made = []
         try:
-            for directory in (memory_dir, pids_dir):
+            for directory in dict.fromkeys(path for path in (memory_dir, pids_dir, cpuacct_dir) if path):
+                _remove_leftovers(os.path.dirname(directory))
                 os.mkdir(directory)
                 made.append(directory)
             _write(os.path.join(memory_dir, "memory.limit_in_bytes"), str(memory_bytes))
@@ -142,26 +175,71 @@ class RunCgroup:
             return f"cannot create a limited cgroup under {memory.directory} and {pids.directory} ({error.strerror})"
         return cls(made, [os.path.join(directory, "cgroup.procs") for directory in made],
                    (os.path.join(memory_dir, "memory.limit_in_bytes"), os.path.join(memory.path, name), memory_bytes),
-                   (os.path.join(pids_dir, "pids.max"), os.path.join(pids.path, name), max_processes))
+                   (os.path.join(pids_dir, "pids.max"), os.path.join(pids.path, name), max_processes),
+                   cpuacct_dir and os.path.join(cpuacct_dir, "cpuacct.usage"))
+
+    def _cpu_seconds_from_proc(self) -> float:
+        try:
+            members = open(self.procs_files[0]).read().split()
+        except OSError:
+            members = []
+        for pid in members:
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone: its last reading stays counted
+            self.cpu_seen[int(pid)] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime + stime
+        return sum(self.cpu_seen.values())
 
     def remove(self) -> None:
         remove_cgroups(self.directories)
 
 
+def _remove_leftovers(parent: str) -> None:
+    """Remove the run cgroups under `parent` of trainers that died without removing them (once per process)."""
+    if (os.getpid(), parent) in _swept:
+        return
+    _swept.add((os.getpid(), parent))
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        match = _RUN_NAME.fullmatch(name)
+        if match and not _alive(int(match.group(1))):
+            remove_cgroups([os.path.join(parent, name)])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's live process
+    return True
+
+
 def remove_cgroups(directories: list[str]) -> None:
-    """Kill whatever is still inside, then remove the directories; logs instead of raising."""
-    for directory in directories:
-        for _ in range(_REMOVE_ATTEMPTS):
-            try:
-                os.rmdir(directory)
-                break
-            except FileNotFoundError:
-                break
-            except OSError:  # EBUSY: processes inside (unsafe mode without a pid namespace), or not yet freed
-                _kill_members(directory)
-                time.sleep(0.01)
-        else:
-            logger.warning("sandbox: could not remove cgroup %s; it holds processes that would not die", directory)
+    """Kill whatever is still inside, then remove the directories and every cgroup nested in them, deepest first
+    (code that could write there may have made some); logs instead of raising."""
+    for top in directories:
+        nested = [os.path.join(path, name) for path, names, _ in os.walk(top, topdown=False) for name in names]
+        for directory in [*nested, top]:
+            _remove_cgroup(directory)
+
+
+def _remove_cgroup(directory: str) -> None:
+    for _ in range(_REMOVE_ATTEMPTS):
+        try:
+            os.rmdir(directory)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY: processes inside (unsafe mode without a pid namespace), or not yet freed
+            _kill_members(directory)
+            time.sleep(0.01)
+    logger.warning("sandbox: could not remove cgroup %s; it holds processes that would not die", directory)
 
 
 def _kill_members(directory: str) -> None:

@@ -3,9 +3,11 @@ right answers and so learns to look for them.
 
 `PythonSandbox.run(code)` starts `sandbox_child.py` (standard library only, `python -I -S`) in a new session
 with a scrubbed environment; the child puts every layer in place and checks it from inside (see its docstring):
-a whole-run cgroup (memory, pids), a fresh per-run uid (as root) inside its own user namespace, private network,
-mount, IPC and pid namespaces, a fresh session keyring, a fresh read-only tmpfs root with only the
-interpreter, its libraries and site-packages, a size-limited work dir, rlimits, no capabilities, no_new_privs.
+a whole-run cgroup (memory, pids, CPU time: the caller kills a run whose processes together spend its CPU
+budget), a fresh per-run uid (as root) inside its own user namespace that may make no nested one, private network,
+mount, IPC, pid and cgroup namespaces, a fresh session keyring, a fresh read-only tmpfs root with only what the
+interpreter needs (asked of it; see `_root_layout`), a size-limited work dir, rlimits, no capabilities,
+no_new_privs, a seccomp filter (`seccomp.py`), oom_score_adj 1000. docs/sandbox.md has the threat model.
 
 Fail closed: unless every layer is verified, the run stops before the code starts and `run` raises
 `SandboxUnavailable` naming what is missing. `PythonSandbox(unsafe=True)` runs with whatever this machine
@@ -24,35 +26,47 @@ import os
 import secrets
 import selectors
 import signal
+import struct
 import subprocess
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from copes.errors import ConfigError
-from copes.tools import sandbox_child
+from copes.tools import landlock, sandbox_child, seccomp
 from copes.tools.cgroups import RunCgroup
 
 logger = logging.getLogger(__name__)
 
 CHILD_SCRIPT = sandbox_child.__file__
-# Every protection the child verifies; strict mode needs all of them.
+# Standard-library modules the bootstrap loads by path (it runs from a memfd, so it has no package to import from).
+CHILD_HELPERS = {"seccomp": seccomp.__file__, "landlock": landlock.__file__}
+# Every protection the child verifies (and the caller's CPU budget); strict mode needs all of them.
 PROTECTIONS = ("user", "network", "filesystem", "pid_namespace", "ipc", "keyring", "capabilities", "memory",
-               "process_limit", "disk", "rlimits")
+               "process_limit", "disk", "rlimits", "nested_namespaces", "seccomp", "oom", "cpu_budget",
+               "bootstrap_hidden")
 # Per-run uids come from a range no distribution allocates, so a collision with a real account is implausible.
+# "auto": namespaces where user namespaces can be had, else Landlock; "landlock": Landlock even where they can.
+TIERS = ("auto", "landlock")
 _SANDBOX_UIDS = range(1_000_000_000, 2_000_000_000)
 # System library directories the interpreter and compiled extensions load from (never data).
 _LIBRARY_PATHS = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache")
+# Host directories the new root may be assembled on (covered only inside the run's own mount namespace): the first
+# that holds none of what the root binds, so covering it hides no bind source.
+_STAGING_CANDIDATES = ("/tmp", "/mnt", "/media", "/srv", "/opt", "/var/tmp", "/run", "/home", "/boot")
 _READ_CHUNK_BYTES = 64 << 10
+# How often the caller reads the run's CPU time while it runs.
+_CPU_POLL_S = 0.05
 # The bootstrap and init processes of a run count against its pids limit too.
 _RUN_OWN_PROCESSES = 2
 # How long the bootstrap may take to tear the run down after SIGTERM before its whole group gets SIGKILL.
 _STOP_GRACE_S = 5.0
 _HOW_TO_ALLOW = (
     "the sandbox needs user namespaces (sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1; "
-    "in Docker a seccomp profile that allows unshare) and writable cgroup memory and pids controllers "
+    "in Docker a seccomp profile that allows unshare) or, without them, Landlock (kernel 5.13+, landlock in the "
+    "lsm= boot parameter), and writable cgroup memory and pids controllers "
     "(run as root, or delegate a cgroup v2 subtree to this user); or pass --unsafe-sandbox "
     "(config unsafe_sandbox: true) to run model-written code without these protections"
 )
@@ -68,7 +82,9 @@ class SandboxResult:
     """What one run produced. `exit_status` follows subprocess: negative means killed by that signal.
 
     `isolation` maps each protection in PROTECTIONS to what the child verified: a sentence that starts with
-    "yes", or with "no" followed by the reason (only ever seen in unsafe mode).
+    "yes", or with "no" followed by the reason (only ever seen in unsafe mode). `tier` names how the run was
+    isolated: "namespaces", "landlock", or "none" (unsafe mode where neither could be had).
+    `cpu_budget_exceeded`: the run's processes together used up its CPU budget and the run was killed.
     """
 
     stdout: str
@@ -77,6 +93,8 @@ class SandboxResult:
     timed_out: bool
     output_truncated: bool
     isolation: dict[str, str]
+    tier: str = "none"
+    cpu_budget_exceeded: bool = False
 
     def enforced(self, protection: str) -> bool:
         return self.isolation.get(protection, "no").startswith("yes")
@@ -86,7 +104,9 @@ class PythonSandbox:
     """Runs untrusted Python code; see the module docstring for the layers. Thread-safe: one process per run.
 
     `memory_bytes` bounds the whole run (every process together) and each process's address space;
-    `max_processes` the processes of the whole run; `max_disk_bytes` / `max_files` its work dir.
+    `max_processes` the processes of the whole run; `max_disk_bytes` / `max_files` its work dir; `cpu_seconds`
+    each process (RLIMIT_CPU, SIGXCPU), and `cpu_seconds + 1` (the per-process hard limit) the whole run.
+    `tier` (TIERS) picks how the run is isolated.
     """
 
     def __init__(
@@ -102,6 +122,7 @@ class PythonSandbox:
         max_files: int = 4096,
         python: str = sys.executable,
         unsafe: bool = False,
+        tier: str = "auto",
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -118,6 +139,8 @@ class PythonSandbox:
         for name, value in positive_ints.items():
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
         if not (os.path.isfile(python) and os.access(python, os.X_OK)):
             raise ValueError(f"python must be an executable interpreter path, got {python!r}")
         self.timeout_s = float(timeout_s)
@@ -131,6 +154,11 @@ class PythonSandbox:
         self.max_files = max_files
         self.python = os.path.abspath(python)
         self.unsafe = unsafe
+        self.tier = tier
+
+    @cached_property
+    def _layout(self) -> dict:
+        return _root_layout(self.python)
 
     def check(self) -> SandboxResult:
         """Run a trivial program; raises SandboxUnavailable (strict mode) when the machine cannot isolate it.
@@ -144,29 +172,31 @@ class PythonSandbox:
         if not isinstance(code, str):
             raise ValueError(f"code must be a str, got {type(code).__name__}")
         cgroup = RunCgroup.create(self.memory_bytes, self.max_processes + _RUN_OWN_PROCESSES)
+        host_workdirs: list[str] = []  # filled as soon as the report names one, so a refused run leaves none
         try:
-            result, host_workdir = self._execute(code, cgroup)
+            result = self._execute(code, cgroup, host_workdirs)
         finally:
             if isinstance(cgroup, RunCgroup):
-                cgroup.remove()
-        if host_workdir is not None:
-            remove_tree(host_workdir)
+                cgroup.remove()  # first: it kills whatever of the run could still write to the work dir
+            for path in host_workdirs:
+                remove_tree(path)
         _log_gaps_once(result.isolation)
         return result
 
-    def _execute(self, code: str, cgroup: RunCgroup | str) -> tuple[SandboxResult, str | None]:
+    def _execute(self, code: str, cgroup: RunCgroup | str, host_workdirs: list[str]) -> SandboxResult:
         report_read, report_write = os.pipe()
         # surrogatepass keeps odd model output byte-faithful; the interpreter then reports it as a SyntaxError.
         code_bytes = code.encode("utf-8", errors="surrogatepass")
-        code_fd = os.memfd_create("copes-sandbox-code", 0)
-        os.write(code_fd, code_bytes)
+        code_fd = _memfd("copes-sandbox-code", code_bytes)
         config = {
             "unsafe": self.unsafe,
+            "tier": self.tier,
             "python": self.python,
             "run_uid": _pick_sandbox_uid(),
             "report_fd": report_write,
             "code_fd": code_fd,
             "code_bytes": len(code_bytes),
+            "helpers": CHILD_HELPERS,
             "cgroup": None if isinstance(cgroup, str) else {
                 "procs_files": cgroup.procs_files, "memory": cgroup.memory, "pids": cgroup.pids},
             "cgroup_unavailable": cgroup if isinstance(cgroup, str) else None,
@@ -176,36 +206,43 @@ class PythonSandbox:
             "max_files": self.max_files,
             "rlimits": self._rlimits(),
             "environment": self._environment(),
-            **_root_layout(self.python),
+            **self._layout,
         }
+        # The bootstrap and its configuration come through file descriptors, so /proc/1/cmdline (which the code
+        # can read) shows neither this checkout's path nor the cgroup paths and the caller's pid.
+        script_fd = _memfd("copes-sandbox-bootstrap", _child_source())
+        config_fd = _memfd("copes-sandbox-config", json.dumps(config).encode())
         try:
             process = subprocess.Popen(
-                [self.python, "-I", "-S", CHILD_SCRIPT, json.dumps(config)],
+                [self.python, "-I", "-S", f"/proc/self/fd/{script_fd}", str(config_fd)],
                 cwd="/",
                 env=self._environment(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
-                pass_fds=(report_write, code_fd),
+                pass_fds=(report_write, code_fd, script_fd, config_fd),
             )
         except BaseException:
             os.close(report_read)
             raise
         finally:
-            os.close(report_write)
-            os.close(code_fd)
+            for fd in (report_write, code_fd, script_fd, config_fd):
+                os.close(fd)
         with os.fdopen(report_read, "rb") as report_pipe:
             try:
-                stdout, stderr, timed_out, truncated = self._collect_output(process)
+                stdout, stderr, timed_out, truncated, cpu_exceeded = self._collect_output(process, cgroup)
             finally:
                 _stop(process)
                 process.stdout.close()
                 process.stderr.close()
             report = _parse_report(report_pipe.read())
-        if not report["isolation"].get("pid_namespace", "no").startswith("yes"):
+        host_workdirs += [report["host_workdir"]] if "host_workdir" in report else []
+        if report.get("tier") != "namespaces":
             _kill_group(process)  # without a pid namespace, children may still run in the bootstrap's group
         isolation = report["isolation"]
+        if isolation:
+            isolation["cpu_budget"] = self._cpu_budget_verdict(cgroup)
         missing = [name for name in PROTECTIONS if not isolation.get(name, "no").startswith("yes")]
         if missing and not self.unsafe:
             refused = [name for name in missing if name in isolation]
@@ -222,14 +259,35 @@ class PythonSandbox:
             timed_out=timed_out,
             output_truncated=truncated,
             isolation=report["isolation"] or {"bootstrap": "no: the sandbox bootstrap reported nothing"},
+            tier=report.get("tier", "none"),
+            cpu_budget_exceeded=cpu_exceeded,
         )
-        return result, report.get("host_workdir")
+        return result
 
-    def _collect_output(self, process: subprocess.Popen) -> tuple[bytes, bytes, bool, bool]:
-        """Read both pipes in chunks until EOF, the wall-clock deadline, or the output cap, whichever is first."""
+    @property
+    def run_cpu_seconds(self) -> int:
+        """The whole run's CPU budget: one process alone meets its own hard RLIMIT_CPU first."""
+        return self.cpu_seconds + 1
+
+    def _cpu_budget_verdict(self, cgroup: RunCgroup | str) -> str:
+        if isinstance(cgroup, str):
+            return "no: no run cgroup to account the run's CPU time in (see memory)"
+        if cgroup.cpu_usage_file is None:
+            return (f"yes: {self.run_cpu_seconds} CPU-seconds for the whole run, summed from /proc over the run "
+                    f"cgroup's processes every {_CPU_POLL_S * 1000:g} ms (no cgroup CPU counter here); "
+                    f"RLIMIT_CPU {self.cpu_seconds} s per process")
+        return (f"yes: {self.run_cpu_seconds} CPU-seconds for the whole run, every process together, read from "
+                f"cgroup {os.path.basename(cgroup.cpu_usage_file)}; RLIMIT_CPU {self.cpu_seconds} s per process")
+
+    def _collect_output(self, process: subprocess.Popen,
+                        cgroup: RunCgroup | str) -> tuple[bytes, bytes, bool, bool, bool]:
+        """Read both pipes in chunks until EOF, the wall-clock deadline, the output cap or the run's CPU budget,
+        whichever is first."""
         deadline = time.monotonic() + self.timeout_s
+        meter = None if isinstance(cgroup, str) else cgroup
         buffers = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
-        timed_out = truncated = False
+        timed_out = truncated = cpu_exceeded = False
+        next_reading = time.monotonic() + _CPU_POLL_S
         with selectors.DefaultSelector() as selector:
             for fd in buffers:
                 selector.register(fd, selectors.EVENT_READ)
@@ -238,7 +296,7 @@ class PythonSandbox:
                 if remaining <= 0:
                     timed_out = True
                     break
-                for key, _ in selector.select(remaining):
+                for key, _ in selector.select(min(remaining, _CPU_POLL_S)):
                     chunk = os.read(key.fd, _READ_CHUNK_BYTES)
                     if not chunk:
                         selector.unregister(key.fd)
@@ -247,14 +305,20 @@ class PythonSandbox:
                     room = self.max_output_bytes - len(buffer)
                     buffer += chunk[:room]
                     truncated |= len(chunk) > room
-        if not (timed_out or truncated):
+                if meter is not None and time.monotonic() >= next_reading:
+                    next_reading = time.monotonic() + _CPU_POLL_S
+                    used = meter.cpu_seconds_used()
+                    if used is not None and used >= self.run_cpu_seconds:
+                        cpu_exceeded = True
+                        break
+        if not (timed_out or truncated or cpu_exceeded):
             # Both pipes are closed; the bootstrap exits right after its children, unless something keeps it alive.
             try:
                 process.wait(timeout=max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
                 timed_out = True
         stdout, stderr = buffers.values()
-        return bytes(stdout), bytes(stderr), timed_out, truncated
+        return bytes(stdout), bytes(stderr), timed_out, truncated, cpu_exceeded
 
     def _rlimits(self) -> dict[str, int]:
         return {
@@ -284,24 +348,127 @@ class PythonSandbox:
         }
 
 
+# Asked of the interpreter itself (site on, user site off, as the code will run): where its parts are.
+_INTERPRETER_FACTS = """
+import json, sys, sysconfig
+paths = sysconfig.get_paths()
+print(json.dumps({"prefix": sys.prefix, "base_prefix": sys.base_prefix, "path": sys.path,
+                  "stdlib": [paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")],
+                  "libdir": sysconfig.get_config_var("LIBDIR")}))
+"""
+
+
+@lru_cache(maxsize=None)
+def _interpreter_facts(python: str) -> dict:
+    try:
+        completed = subprocess.run([python, "-s", "-c", _INTERPRETER_FACTS], capture_output=True, text=True,
+                                   env={"PATH": "/usr/bin:/bin"}, cwd="/", timeout=60, check=True)
+        return json.loads(completed.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError) as error:
+        raise SandboxUnavailable(f"cannot ask {python} where its standard library and site-packages are: "
+                                 f"{error}") from error
+
+
+def _interpreter_parts(python: str) -> list[str]:
+    """What the interpreter needs, no more: itself, its ELF loader, libpython and the shared libraries beside it
+    (a conda-style prefix), the standard library, lib-dynload, site-packages (a virtualenv's pyvenv.cfg)."""
+    facts = _interpreter_facts(python)
+    parts = [python, *facts["stdlib"], *_elf_interpreter(os.path.realpath(python))]
+    parts += [entry for entry in facts["path"]
+              if entry.endswith(("site-packages", "dist-packages", "lib-dynload")) or entry.endswith(".zip")]
+    if facts["prefix"] != facts["base_prefix"]:
+        parts.append(os.path.join(facts["prefix"], "pyvenv.cfg"))
+    libdir = facts["libdir"] or ""
+    system = any(os.path.realpath(libdir).startswith(os.path.realpath(path) + "/") or
+                 os.path.realpath(libdir) == os.path.realpath(path) for path in _LIBRARY_PATHS)
+    if libdir and not system and os.path.isdir(libdir):
+        parts += [os.path.join(libdir, name) for name in sorted(os.listdir(libdir))
+                  if name.startswith("lib") and ".so" in name]
+    return [*parts, *_LIBRARY_PATHS]
+
+
+def _elf_interpreter(binary: str) -> list[str]:
+    """The ELF loader (PT_INTERP) of a 64-bit little-endian executable: `/lib64/ld-linux-x86-64.so.2`, reached
+    through the /lib64 link on Debian."""
+    try:
+        with open(binary, "rb") as file:
+            header = file.read(64)
+            if header[:6] != b"\x7fELF\x02\x01":
+                return []
+            phoff, = struct.unpack_from("<Q", header, 0x20)
+            phentsize, phnum = struct.unpack_from("<HH", header, 0x36)
+            file.seek(phoff)
+            table = file.read(phentsize * phnum)
+            for index in range(phnum):
+                kind, = struct.unpack_from("<I", table, index * phentsize)
+                if kind == 3:  # PT_INTERP
+                    offset, = struct.unpack_from("<Q", table, index * phentsize + 8)
+                    size, = struct.unpack_from("<Q", table, index * phentsize + 32)
+                    file.seek(offset)
+                    return [file.read(size).rstrip(b"\0").decode()]
+    except (OSError, struct.error, UnicodeDecodeError):
+        pass
+    return []
+
+
+def _resolve(path: str, links: dict[str, str]) -> str:
+    """The real path of `path`, adding each symlink met on the way to `links` ({link: target}, the link named by
+    its real parent), so the new root can hold the same links."""
+    resolved, pending = "/", [part for part in path.split("/") if part]
+    for _ in range(256):  # the kernel's own bound on links followed (40) is lower
+        if not pending:
+            return resolved
+        part = pending.pop(0)
+        if part == ".":
+            continue
+        candidate = os.path.dirname(resolved) if part == ".." else os.path.join(resolved, part)
+        if os.path.islink(candidate):
+            target = os.readlink(candidate)
+            links[candidate] = target
+            pending = [part for part in target.split("/") if part] + pending
+            resolved = "/" if target.startswith("/") else resolved
+        else:
+            resolved = candidate
+    raise SandboxUnavailable(f"too many levels of symbolic links in {path}")
+
+
 def _root_layout(python: str) -> dict:
-    """What the child's fresh root holds: read-only binds of the interpreter's install, its virtualenv and
-    site-packages, the system libraries; the host's top-level symlinks (/lib -> usr/lib); nothing else."""
-    interpreter = os.path.realpath(python)
-    paths = {os.path.dirname(os.path.dirname(interpreter)), sys.base_prefix, sys.prefix}
-    if interpreter == os.path.realpath(sys.executable):
-        paths.update(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib"))
-        paths.update(entry for entry in sys.path if entry.endswith(("site-packages", "dist-packages")))
-    paths.update(_LIBRARY_PATHS)
-    real = sorted({os.path.realpath(path) for path in paths if os.path.exists(path)})
-    # Drop paths inside another bound path: the outer bind already shows them.
+    """What the child's fresh root holds: read-only binds (real paths) of what the interpreter needs and of the
+    system libraries, the symlinks met on the way to them (a venv's bin/python, /lib64 -> usr/lib64, a linked
+    venv directory), the host's top-level links into them (/lib -> usr/lib); nothing else."""
+    links: dict[str, str] = {}
+    real = sorted({_resolve(path, links) for path in _interpreter_parts(python) if os.path.exists(path)})
+    # Drop paths inside another bound path: the outer bind already shows them (and the links inside it).
     binds = [path for path in real if not any(path.startswith(other + "/") for other in real if other != path)]
-    symlinks = {f"/{entry}": os.readlink(f"/{entry}") for entry in os.listdir("/") if os.path.islink(f"/{entry}")}
-    symlinks = {link: target for link, target in symlinks.items()
-                if any(f"{bind}/".startswith(os.path.realpath(link) + "/") for bind in binds)}
+    inside = lambda path: any(path.startswith(bind + "/") for bind in binds)  # noqa: E731
+    top_links = {f"/{entry}": os.readlink(f"/{entry}") for entry in os.listdir("/") if os.path.islink(f"/{entry}")}
+    links.update({link: target for link, target in top_links.items()
+                  if any(f"{bind}/".startswith(os.path.realpath(link) + "/") for bind in binds)})
+    symlinks = {link: target for link, target in sorted(links.items()) if not inside(link) and link not in binds}
     top_level = {path.split("/")[1] for path in [*binds, *symlinks]} | {"dev", "proc", "tmp",
                                                                          sandbox_child.WORKDIR.split("/")[1]}
-    return {"binds": binds, "symlinks": symlinks, "top_level": sorted(top_level)}
+    return {"binds": binds, "symlinks": symlinks, "top_level": sorted(top_level), "staging": _staging(binds)}
+
+
+def _staging(binds: list[str]) -> str:
+    for candidate in _STAGING_CANDIDATES:
+        real = os.path.realpath(candidate)
+        clear = all(not f"{bind}/".startswith(f"{real}/") and not real.startswith(f"{bind}/") for bind in binds)
+        if os.path.isdir(candidate) and not os.path.islink(candidate) and clear:
+            return candidate
+    raise SandboxUnavailable(f"no directory to assemble the sandbox root on: each of {', '.join(_STAGING_CANDIDATES)} "
+                             "is missing or holds part of the interpreter")
+
+
+@lru_cache(maxsize=1)
+def _child_source() -> bytes:
+    return Path(CHILD_SCRIPT).read_bytes()
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data)
+    return fd
 
 
 def _pick_sandbox_uid() -> int | None:

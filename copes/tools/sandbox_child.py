@@ -1,15 +1,20 @@
-"""The sandbox's child side: `python -I -S sandbox_child.py CONFIG_JSON`, started by `PythonSandbox.run`.
+"""The sandbox's child side: `python -I -S /proc/self/fd/SCRIPT CONFIG_FD`, started by `PythonSandbox.run`.
 
 Standard library only, on purpose: it runs before any isolation exists, so it must not import site-packages
-(or this package) that the code under test could have influenced, and it must start fast.
+(or this package) that the code under test could have influenced, and it must start fast. It runs from a memfd
+and reads its configuration from another (both closed at once), so /proc/1/cmdline tells the code nothing;
+the standard-library helpers it needs (the seccomp filter) it loads by the paths the configuration names.
 
-    bootstrap  join the run's cgroups (whole-run memory and pids limits) and check them from inside;
-               root: become a fresh per-run uid; then unshare USER (our uid -> uid 1000 inside), NET, NS, IPC,
-               PID, and check every namespace differs from the caller's
+    bootstrap  oom_score_adj 1000 (the run dies first under memory pressure); join the run's cgroups (whole-run
+               memory, pids, CPU accounting) and check them from inside; root: build the new root (below) while
+               still root, become a fresh per-run uid; then unshare USER (our uid -> uid 1000 inside), NET, NS,
+               IPC, PID, CGROUP, and check every namespace differs from the caller's
       fork --> init (pid 1 of the new pid namespace): a fresh session keyring; a fresh tmpfs root holding only
-               read-only binds of the interpreter, its libraries and site-packages, /dev/null|zero|urandom, a
-               fresh /proc and a size-limited writable work dir; pivot_root into it, check every mount
-        fork --> user code: rlimits, every capability dropped (checked), no_new_privs, exec python main.py
+               read-only binds of what the interpreter needs, /dev/null|zero|urandom, a fresh /proc and a
+               size-limited writable work dir; pivot_root into it, check every mount; max_user_namespaces 0 in
+               the run's user namespace, so the code can never make one of its own
+        fork --> user code: rlimits, every capability dropped (checked), no_new_privs, the seccomp filter
+               (checked by calling what it denies), exec python main.py
 
 Every check lands in the report (JSON lines on `report_fd`) as "yes: ..." or "no: ...". In strict mode
 (the default) a single "no" ends the run before the code starts: the caller raises SandboxUnavailable.
@@ -18,6 +23,7 @@ Every check lands in the report (JSON lines on `report_fd`) as "yes: ..." or "no
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import platform
@@ -36,10 +42,12 @@ NAMESPACES = {
     "mount": 0x00020000,
     "ipc": 0x08000000,
     "pid": 0x20000000,
+    "cgroup": 0x02000000,
 }
-PROTECTION_OF = {"user": "user", "network": "network", "mount": "filesystem", "ipc": "ipc", "pid": "pid_namespace"}
+PROTECTION_OF = {"user": "user", "network": "network", "mount": "filesystem", "ipc": "ipc", "pid": "pid_namespace",
+                 "cgroup": "bootstrap_hidden"}
 # /proc/self/ns entry of each namespace, to check from inside that it is not the caller's.
-NAMESPACE_FILES = {"user": "user", "network": "net", "mount": "mnt", "ipc": "ipc", "pid": "pid"}
+NAMESPACE_FILES = {"user": "user", "network": "net", "mount": "mnt", "ipc": "ipc", "pid": "pid", "cgroup": "cgroup"}
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
@@ -55,14 +63,18 @@ KEYCTL_GET_KEYRING_ID, KEYCTL_JOIN_SESSION_KEYRING, KEY_SPEC_SESSION_KEYRING = 0
 SYSCALLS = {"x86_64": {"keyctl": 250, "pivot_root": 155}, "aarch64": {"keyctl": 219, "pivot_root": 41}}
 INSIDE_ID = 1000  # the code's uid and gid inside its user namespace: not 0, so exec leaves it no capabilities
 WORKDIR = "/sandbox"
-# The host directory the new root is assembled on; it is only covered inside our private mount namespace.
-STAGING = "/tmp"
+OOM_SCORE_ADJ = 1000  # the kernel's maximum: under memory pressure the run is killed before anything else
 DEVICES = ("null", "zero", "urandom")
 EXIT_UNAVAILABLE = 124  # a required protection is missing; the code never ran
 EXIT_SETUP_FAILED = 125
 EXIT_EXEC_FAILED = 127
 
 libc = ctypes.CDLL(None, use_errno=True)
+SECCOMP = LANDLOCK = None  # the helper modules, loaded by `main`
+PR_SET_CHILD_SUBREAPER = 36
+# The Landlock tier's work dir goes on this tmpfs where there is one: its pages are charged to the run's memory
+# cgroup, so the whole-run memory limit bounds the disk the run can fill.
+SHARED_MEMORY = "/dev/shm"
 
 
 class Refused(OSError):
@@ -251,29 +263,43 @@ def _bind_read_only(source: str, target: str) -> None:
 
 
 def _build_root(config: dict) -> None:
-    """In a mount namespace of our own: assemble the new root on STAGING, pivot into it, make it read-only.
+    """In a mount namespace of our own: assemble the new root on the staging directory (one that holds nothing
+    the root binds, so covering it hides no source), pivot into it, make it read-only.
 
     Root does this before giving up root, so it can reach an interpreter the run's uid could not (a pyenv under
-    /root, mode 700); the user namespace's mount namespace then inherits these mounts locked read-only."""
+    /root, mode 700); the user namespace's mount namespace then inherits these mounts locked read-only. On failure
+    the staging mount is taken away again, so the host filesystem is as it was (unsafe mode runs there)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates back to the caller
-    root = STAGING
+    root = config["staging"]
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
-    for link, target in config["symlinks"].items():
-        os.makedirs(os.path.dirname(root + link), mode=0o755, exist_ok=True)
-        os.symlink(target, root + link)
-    for path in [*config["binds"], *(f"/dev/{device}" for device in DEVICES)]:
-        _bind_read_only(path, _make_path(root, path, path))
-    os.symlink("/proc/self/fd", root + "/dev/fd")
-    # The kernel mounts a fresh proc (in `_finish_root`) only where a full one is already visible.
-    os.makedirs(root + "/proc", mode=0o555)
-    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    _make_path(root, WORKDIR, "/")
-    os.mkdir(root + "/tmp", 0o755)  # empty and read-only: code that writes to /tmp fails loudly (TMPDIR is WORKDIR)
+    try:
+        _assemble_root(config, root)
+    except OSError:
+        libc.umount2(os.fsencode(root), ctypes.c_int(MNT_DETACH))
+        raise
     os.chdir(root)
     _syscall("pivot_root", b".", b".")  # the old root ends up stacked under the new one; detach it
     _check(libc.umount2(b".", ctypes.c_int(MNT_DETACH)), "umount old root")
     os.chdir("/")
     _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _assemble_root(config: dict, root: str) -> None:
+    for link, target in config["symlinks"].items():
+        os.makedirs(os.path.dirname(root + link), mode=0o755, exist_ok=True)
+        os.symlink(target, root + link)
+    for path in [*config["binds"], *(f"/dev/{device}" for device in DEVICES)]:
+        try:
+            _bind_read_only(path, _make_path(root, path, path))
+        except OSError as error:
+            raise Refused(error.errno, f"cannot bind {path} into the new root: {error.strerror}") from error
+    os.symlink("/proc/self/fd", root + "/dev/fd")
+    # The kernel mounts a fresh proc (in `_finish_root`) only where a full one is already visible.
+    os.makedirs(root + "/proc", mode=0o555)
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _make_path(root, WORKDIR, "/")
+    # Empty and read-only (unless an interpreter lives below it): code that writes to /tmp fails loudly.
+    os.makedirs(root + "/tmp", 0o755, exist_ok=True)
 
 
 def _finish_root(config: dict) -> str:
@@ -322,9 +348,7 @@ def _drop_capabilities() -> str:
                       ctypes.c_ulong(0)), "prctl(PR_SET_NO_NEW_PRIVS)")
     libc.prctl(PR_CAP_AMBIENT, ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), ctypes.c_ulong(0), ctypes.c_ulong(0),
                ctypes.c_ulong(0))
-    last_cap = int(open("/proc/sys/kernel/cap_last_cap").read())
-    for cap in range(last_cap + 1):
-        libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    _drop_bounding_set()
     header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()
     _check(libc.capset(header, data), "capset")
@@ -334,6 +358,12 @@ def _drop_capabilities() -> str:
     if held or status["NoNewPrivs"].strip() != "1":
         raise Refused(0, f"capabilities still held: {held}")
     return "none: effective, permitted, inheritable, ambient and bounding sets empty; no_new_privs"
+
+
+def _drop_bounding_set() -> None:
+    last_cap = int(open("/proc/sys/kernel/cap_last_cap").read())
+    for cap in range(last_cap + 1):
+        libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
 def _set_rlimits(limits: dict[str, int]) -> bool:
@@ -351,7 +381,230 @@ def _set_rlimits(limits: dict[str, int]) -> bool:
     return all(resource.getrlimit(limit) == values for limit, values in wanted.items())
 
 
-def _exec_user_code(config: dict, report: Report, workdir: str) -> NoReturn:
+def _install_seccomp(report: Report, without_namespaces: bool) -> bool:
+    try:
+        SECCOMP.install(without_namespaces)
+    except (OSError, KeyError) as error:
+        return report.verdict("seccomp", False, f"cannot install the seccomp filter: {error}")
+    answers = SECCOMP.probe(without_namespaces)
+    open_calls = sorted(call for call, denied in answers.items() if not denied)
+    mode = [line for line in open("/proc/self/status") if line.startswith("Seccomp:")]
+    return report.verdict("seccomp", not open_calls,
+                          f"filter installed ({mode[0].split()[1] if mode else '?'} = filter mode), each checked "
+                          f"denied: {', '.join(sorted(answers))}" if not open_calls else f"still allowed: "
+                          f"{', '.join(open_calls)}")
+
+
+def _confine_and_check(config: dict, report: Report, without_namespaces: bool) -> list[str]:
+    """The seccomp filter, then the checks only the code's own process can make; returns what failed."""
+    seccomp_ok = _install_seccomp(report, without_namespaces)
+    oom = open("/proc/self/oom_score_adj").read().strip()
+    locked = ""
+    if not without_namespaces and LANDLOCK.abi():  # the Landlock tier locks it with its own, wider ruleset
+        try:
+            LANDLOCK.restrict([], [WORKDIR, *(f"/dev/{device}" for device in DEVICES)], LANDLOCK.abi(),
+                              writes_only=True)
+            locked = "; locked there: Landlock denies every write outside the work dir"
+        except OSError as error:
+            locked = f"; not locked ({error}): the code may lower it to the trainer's value"
+    oom_ok = report.verdict("oom", oom == str(OOM_SCORE_ADJ), f"oom_score_adj {oom}: the run's processes are "
+                                                                f"the kernel's first OOM victims{locked}")
+    nested = _nested_user_namespaces(without_namespaces)
+    nested_ok = report.verdict("nested_namespaces", nested is None, nested or (
+        "none: " + ("" if without_namespaces else "max_user_namespaces 0 in the run's user namespace, and ")
+        + "seccomp denies unshare, clone and setns with namespace flags"))
+    checks = [("seccomp", seccomp_ok), ("oom", oom_ok), ("nested_namespaces", nested_ok)]
+    if not without_namespaces:  # the Landlock tier checks it once /proc is out of reach
+        hidden = _bootstrap_visible()
+        checks.append(("bootstrap_hidden", report.verdict("bootstrap_hidden", hidden is None, hidden or (
+            "/proc/1/cmdline names no path, cgroup or caller pid (the configuration came through a memfd); "
+            "/proc/self/cgroup shows a private cgroup namespace's root"))))
+    return [name for name, ok in checks if not ok]
+
+
+def _nested_user_namespaces(without_namespaces: bool) -> str | None:
+    """None when the code cannot make a user namespace, else why it can."""
+    if not without_namespaces:
+        try:
+            allowed = open("/proc/sys/user/max_user_namespaces").read().strip()
+        except OSError as error:
+            return f"cannot read max_user_namespaces: {error}"
+        if allowed != "0":
+            return f"max_user_namespaces is {allowed} in the run's user namespace"
+    return None if SECCOMP.probe(without_namespaces)["unshare(CLONE_NEWUSER)"] else "unshare(CLONE_NEWUSER) allowed"
+
+
+def _bootstrap_visible() -> str | None:
+    """None when nothing of the bootstrap's configuration shows in /proc, else what does."""
+    try:
+        arguments = open("/proc/1/cmdline", "rb").read().split(b"\0")[:-1]
+        cgroups = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return None  # /proc is out of reach altogether (the Landlock tier)
+    if len(arguments) != 5 or not arguments[3].startswith(b"/proc/self/fd/") or not arguments[4].isdigit():
+        return f"/proc/1/cmdline shows {len(b''.join(arguments))} bytes of configuration"
+    shown = [line for line in cgroups if not line.endswith(":/")]
+    return f"/proc/self/cgroup shows the run's cgroup paths: {shown[0]}" if shown else None
+
+
+def _confine_with_landlock(config: dict, report: Report, workdir: str) -> list[str]:
+    """The Landlock tier's filesystem, network and scoping, then checks of each from inside."""
+    version = LANDLOCK.abi()
+    devices = [f"/dev/{device}" for device in DEVICES]
+    try:
+        said = LANDLOCK.restrict(config["binds"], [workdir, *devices], version)
+    except OSError as error:
+        report.verdict("filesystem", False, f"cannot apply Landlock: {error}")
+        return ["filesystem"]
+    outside = [path for path in ("/", "/tmp", "/proc/self/status") if _reachable(path)]
+    written = [path for path in config["binds"][:1] if _writable(path)]
+    fs_ok = report.verdict("filesystem", not outside and not written and _writable(workdir),
+                           f"{said}" if not (outside or written) else f"still reachable: {outside + written}")
+    bootstrap = f"/proc/{os.getppid()}/cmdline"
+    hidden_ok = report.verdict("bootstrap_hidden", not _reachable(bootstrap),
+                               f"{bootstrap} and the rest of /proc are out of reach (Landlock)")
+    return [name for name, ok in (("filesystem", fs_ok), ("bootstrap_hidden", hidden_ok)) if not ok]
+
+
+def _reachable(path: str) -> bool:
+    try:
+        os.listdir(path) if os.path.isdir(path) else open(path, "rb").close()
+    except OSError:
+        return False
+    return True
+
+
+def _writable(directory: str) -> bool:
+    probe = os.path.join(directory if os.path.isdir(directory) else os.path.dirname(directory), ".copes-probe")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError:
+        return False
+    os.unlink(probe)
+    return True
+
+
+def _user_namespaces_allowed() -> bool:
+    """Whether this process may make a user namespace (a forked child tries; a container's seccomp profile or
+    a sysctl may forbid it)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if libc.unshare(ctypes.c_int(NAMESPACES["user"])) == 0 else 1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def _enter_landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn:
+    """Who the code runs as here. From Landlock ABI 6, which scopes signals and ptrace to the run, it keeps the
+    caller's uid (with no capabilities, root's 0700 directories such as a pyenv under /root stay reachable);
+    before that, root switches to a per-run uid, dropping the bounding set first, which needs CAP_SETPCAP."""
+    if LANDLOCK.abi() >= 6:
+        config["run_uid"] = None
+    elif config["run_uid"] is not None:
+        _drop_bounding_set()
+        _become_run_user(config)
+    _landlock_tier(config, report, missing)
+
+
+def _landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn:
+    """No user namespace to be had: the bootstrap itself runs the code, confined by Landlock, the seccomp filter
+    (which then also denies sockets and IPC lookups) and rlimits; it reaps every orphan, and when the code ends
+    kills whatever of the run is left (its cgroup says which processes those are)."""
+    version = LANDLOCK.abi()
+    run_uid = config["run_uid"]
+    scoped = version >= 6
+    for protection in PROTECTION_OF.values():
+        report.isolation.pop(protection, None)
+    if not version:
+        report.verdict("filesystem", False, "no Landlock on this kernel (5.13+, landlock in the lsm= boot parameter)")
+        missing.append("filesystem")
+    report.verdict("user", bool(run_uid) or scoped,
+                   f"per-run uid {run_uid}" if run_uid else
+                   f"the caller's uid {os.getuid()}" + (", its signals and ptrace scoped to the run by Landlock"
+                                                        if scoped else " with nothing to scope its signals"))
+    report.verdict("network", True, "seccomp denies socket() for every address family"
+                                    + ("; Landlock denies TCP bind and connect" if version >= 4 else ""))
+    report.verdict("ipc", True, "seccomp denies System V IPC lookups and mq_open"
+                                + ("; Landlock scopes abstract unix sockets to the run" if scoped else ""))
+    report.verdict("pid_namespace", bool(run_uid) or scoped,
+                   "no pid namespace: the bootstrap reaps every orphan and kills what is left of the run (its "
+                   "cgroup's members) when the code ends; /proc is out of reach")
+    try:  # a container's own seccomp profile may deny keyctl already
+        _syscall("keyctl", ctypes.c_int(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None))
+    except Refused:
+        pass
+    report.verdict("keyring", True, "seccomp denies every keyring call (checked with the filter)")
+    missing += [name for name in ("user", "pid_namespace") if not report.isolation[name].startswith("yes")]
+    shared = SHARED_MEMORY if _is_tmpfs(SHARED_MEMORY) else None
+    workdir = tempfile.mkdtemp(prefix="copes_sandbox_", dir=shared)
+    report.verdict("disk", shared is not None,
+                   f"work dir {workdir} on tmpfs, charged to the run's memory cgroup (memory and disk together "
+                   f"at most {config['rlimits']['memory_bytes'] >> 20} MiB); RLIMIT_FSIZE per file"
+                   if shared else f"work dir {workdir} on the host disk, bounded per file only")
+    missing += [] if shared else ["disk"]
+    report.send(host_workdir=workdir, tier="landlock")
+    report.stop_if_missing(missing)
+    with open(os.path.join(workdir, "main.py"), "wb") as file:
+        file.write(os.pread(config["code_fd"], config["code_bytes"], 0))
+    os.close(config["code_fd"])
+    _check(libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0)), "prctl(PR_SET_CHILD_SUBREAPER)")
+    if config["cgroup"] is not None:  # no init process here: give its place in the pids limit to nobody
+        pids_file, _, limit = config["cgroup"]["pids"]
+        try:
+            with open(pids_file, "w") as file:
+                file.write(str(limit - 1))
+        except OSError:
+            pass  # a per-run uid may not write it: the run gets one process more than asked
+    user_pid = os.fork()
+    if user_pid == 0:
+        _exec_user_code(config, report, workdir, landlock=True)
+
+    def end_the_run(_signum: int, _frame: object) -> None:
+        # As the namespaces tier's pid 1 dies: every process of the run first, then the bootstrap, by SIGKILL.
+        _kill_the_rest_of_the_run(config)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, end_the_run)
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == user_pid:
+            break
+    _kill_the_rest_of_the_run(config)
+    report.send(exit_status=os.waitstatus_to_exitcode(status))
+    os._exit(0)
+
+
+def _is_tmpfs(mount_point: str) -> bool:
+    for line in open("/proc/self/mountinfo").read().splitlines():
+        fields = line.split()
+        if fields[4] == mount_point:
+            return fields[fields.index("-") + 1] == "tmpfs"
+    return False
+
+
+def _kill_the_rest_of_the_run(config: dict) -> None:
+    """Every process of the run but this one (daemons that left the process group too), until none is left."""
+    if config["cgroup"] is None:  # unsafe mode only: the caller kills our process group
+        return
+    procs_file = config["cgroup"]["procs_files"][0]
+    for _ in range(1000):
+        others = [int(pid) for pid in open(procs_file).read().split() if int(pid) != os.getpid()]
+        if not others:
+            return
+        for pid in others:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        while True:  # reap what we were given as subreaper
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+
+
+def _exec_user_code(config: dict, report: Report, workdir: str, landlock: bool = False) -> NoReturn:
     limits = config["rlimits"]
     try:
         rlimits_ok = _set_rlimits(limits)
@@ -363,7 +616,11 @@ def _exec_user_code(config: dict, report: Report, workdir: str) -> NoReturn:
             ok = report.verdict("capabilities", True, _drop_capabilities())
         except Refused as error:
             ok = report.verdict("capabilities", False, str(error))
-        report.stop_if_missing([name for name, held in (("capabilities", ok), ("rlimits", rlimits_ok)) if not held])
+        missing = [name for name, held in (("capabilities", ok), ("rlimits", rlimits_ok)) if not held]
+        missing += _confine_and_check(config, report, without_namespaces=landlock)
+        if landlock:  # last: from here on /proc is out of reach
+            missing += _confine_with_landlock(config, report, workdir)
+        report.stop_if_missing(missing)
         report.send()
         os.set_inheritable(report.fd, False)  # the code must not be able to forge the report
         os.close(report.fd)
@@ -380,8 +637,10 @@ def _exec_user_code(config: dict, report: Report, workdir: str) -> NoReturn:
     os._exit(EXIT_EXEC_FAILED)
 
 
-def _run_init(config: dict, report: Report, root_built: bool, private: bool, private_pids: bool) -> NoReturn:
-    """pid 1 of the run: keyring, filesystem, start the user child, reap every orphan until it exits."""
+def _run_init(config: dict, report: Report, root_built: bool, root_error: str | None, private: bool,
+              own_user_namespace: bool, private_pids: bool) -> NoReturn:
+    """pid 1 of the run: keyring, filesystem, no nested user namespaces, start the user child, reap every orphan
+    until it exits."""
     try:
         code = os.pread(config["code_fd"], config["code_bytes"], 0)
         os.close(config["code_fd"])
@@ -393,7 +652,10 @@ def _run_init(config: dict, report: Report, root_built: bool, private: bool, pri
                                                           "every process of the run dies with it"):
                 missing.append("pid")
         workdir = None
-        if private:
+        if private and root_error is not None:
+            report.verdict("filesystem", False, f"cannot build the private root: {root_error}")
+            missing.append("filesystem")
+        elif private:
             try:
                 if not root_built:
                     _build_root(config)
@@ -405,6 +667,11 @@ def _run_init(config: dict, report: Report, root_built: bool, private: bool, pri
         else:
             report.verdict("filesystem", False, "no private mount namespace: the host filesystem is visible")
             missing.append("filesystem")
+        if own_user_namespace:
+            # Per user namespace, and nested ones count against it: the code can never make one of its own (and
+            # with it capabilities over new network, mount and cgroup namespaces). Never written outside our own.
+            with open("/proc/sys/user/max_user_namespaces", "w") as file:
+                file.write("0")
         report.stop_if_missing(missing)
         if workdir is None:
             workdir = _host_workdir(report)
@@ -425,32 +692,57 @@ def _run_init(config: dict, report: Report, root_built: bool, private: bool, pri
     os._exit(0)
 
 
-def _build_root_as_root(config: dict) -> bool:
+def _build_root_as_root(config: dict) -> tuple[bool, str | None]:
     """Root with CAP_SYS_ADMIN builds the new root right away (see `_build_root`); otherwise (not root, or a
-    container that withholds CAP_SYS_ADMIN) init builds it inside the user namespace."""
+    container that withholds CAP_SYS_ADMIN) init builds it inside the user namespace. Returns (built, why not):
+    a mount namespace we may not make means "let init try"; a root that fails to build is the real cause."""
     if config["run_uid"] is None:
-        return False
+        return False, None
     try:
         _check(libc.unshare(ctypes.c_int(NAMESPACES["mount"])), "unshare(mount)")
-        _build_root(config)
     except OSError:
-        return False
-    return True
+        return False, None
+    try:
+        _build_root(config)
+    except OSError as error:
+        return False, str(error)
+    return True, None
+
+
+def _load_helpers(config: dict) -> dict:
+    """The standard-library modules named in the configuration, loaded by path (see the module docstring)."""
+    helpers = {}
+    for name, path in config["helpers"].items():
+        spec = importlib.util.spec_from_file_location(f"copes_sandbox_{name}", path)
+        helpers[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(helpers[name])
+    return helpers
 
 
 def main(config: dict) -> NoReturn:
+    global SECCOMP, LANDLOCK
     report = Report(config["report_fd"], strict=not config["unsafe"])
+    helpers = _load_helpers(config)
+    SECCOMP, LANDLOCK = helpers["seccomp"], helpers["landlock"]
+    with open("/proc/self/oom_score_adj", "w") as file:  # raising it needs no privilege; lowering it does
+        file.write(str(OOM_SCORE_ADJ))
     missing = _join_cgroups(config, report)
-    root_built = _build_root_as_root(config)
+    if config["tier"] == "landlock" or (not _user_namespaces_allowed() and LANDLOCK.abi()):
+        _enter_landlock_tier(config, report, missing)
+    root_built, root_error = _build_root_as_root(config)
     _become_run_user(config)
     unavailable = _enter_namespaces(config, report)
+    if "user" in unavailable:  # and so no Landlock either (see above): neither tier can be had
+        report.isolation["user"] += ("; and no Landlock, the tier without namespaces (kernel 5.13+ with "
+                                     "landlock in lsm=)")
     missing += unavailable + _check_namespaces(config, report, unavailable)
     report.stop_if_missing(missing)
-    report.send()
+    report.send(tier="namespaces" if "user" not in unavailable else "none")
     init_pid = os.fork()
     pid_namespace = "pid" not in unavailable
     if init_pid == 0:
-        _run_init(config, report, root_built, private="mount" not in unavailable, private_pids=pid_namespace)
+        _run_init(config, report, root_built, root_error, private="mount" not in unavailable,
+                  own_user_namespace="user" not in unavailable, private_pids=pid_namespace)
 
     def end_the_run(_signum: int, _frame: object) -> None:
         if pid_namespace:
@@ -468,5 +760,16 @@ def main(config: dict) -> NoReturn:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
+def _read_config() -> dict:
+    """The configuration from the fd in argv[1]; that fd and the one the script came from are closed."""
+    config_fd = int(sys.argv[1])
+    chunks = []
+    while chunk := os.pread(config_fd, 1 << 20, sum(map(len, chunks))):
+        chunks.append(chunk)
+    os.close(config_fd)
+    os.close(int(sys.argv[0].rsplit("/", 1)[1]))
+    return json.loads(b"".join(chunks))
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main(_read_config())
