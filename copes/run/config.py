@@ -112,7 +112,7 @@ class TrainConfig:
     sample_every: int = _opt(10, "steps between rollout samples in samples.jsonl: the best and worst member's "
                                  "transcripts on a fixed few questions (0: none)")
     sample_prompts: int = _opt(4, "fixed questions in each rollout sample (the first held-out ones)")
-    data_dir: str | None = _opt(None, "local dataset folder (default: $COPES_DATA_DIR or ../shared/data; else the hub)")
+    data_dir: str | None = _opt(None, "local dataset folder (default: $COPES_DATA_DIR, else a shared/data folder beside the checkout; else the hub)")
     include: list[str] = _opt([], "only parameters whose names match one of these patterns (default: all)")
     exclude: list[str] = _opt([], "parameters whose names match these patterns are never perturbed")
 
