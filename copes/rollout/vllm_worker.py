@@ -115,16 +115,16 @@ class PackedConvWeights:
     def __init__(self, vllm_model: torch.nn.Module) -> None:
         self.layers = {name: module for name, module in vllm_model.named_modules()
                        if getattr(module, "copes_plain_weight", None) is not None}
-        self._packed: dict[str, tuple[int, torch.Tensor]] = {}  # layer -> (plain weight's version, packed copy)
+        self._packed: dict[str, tuple[int, torch.Tensor]] = {}  # layer -> (weight version when packed, packed copy)
         self._dispatch = _vllm_linear_dispatch()
 
     @contextlib.contextmanager
     def during_generation(self) -> Iterator[None]:
         for name, layer in self.layers.items():
-            plain = layer.copes_plain_weight
-            if self._packed.get(name, (None,))[0] != plain._version:
-                self._dispatch(layer, False)
-                self._packed[name] = (plain._version, layer.weight.data)
+            version = layer.weight._version  # the Parameter's counter, which the trainer's view shares (not .data's)
+            if self._packed.get(name, (None,))[0] != version:
+                self._dispatch(layer, False)  # packs the plain weight and lends the copy to the layer
+                self._packed[name] = (version, layer.weight.data)
             layer.weight.data = self._packed[name][1]
         try:
             yield
