@@ -90,7 +90,8 @@ def run(model: str, *, device: str, dtype: str, kv_cache_gib: float, new_tokens:
                                                                                  new_tokens=new_tokens), 1)
         del engine
     if "decode_tokens_per_s_graphs" in results:
-        results["graphs_speedup"] = round(results["decode_tokens_per_s_graphs"] / results["decode_tokens_per_s_eager"], 2)
+        speedup = results["decode_tokens_per_s_graphs"] / results["decode_tokens_per_s_eager"]
+        results["graphs_speedup"] = round(speedup, 2)
     return results
 
 

@@ -10,6 +10,10 @@ in place through HF-named views. Against the Hugging Face engine (the reference)
   ends with the weights and held-out accuracy of the same run on HF;
 - with packed linear weights (vLLM's oneDNN copies) a generation after any weight write runs on the written
   weights, as the plain engine's does, and a generation after none repacks nothing.
+- the prefix cache is dropped before a rollout exactly when a weight was written since the last one;
+- a model claiming a 1M-token context starts with max_model_len capped to the KV budget, said in one line, and a
+  budget below one sequence is one line, not a vLLM traceback;
+- bench/vllm_gpu_check.py's perturb -> generate -> restore -> generate check passes (eager, on CPU).
 
 The bitwise comparisons with HF run the plain engine: oneDNN's packed fp32 GEMMs may differ from F.linear in the
 last bits, so the packed engine is compared with the plain one token for token (wide random logits: no near-ties)

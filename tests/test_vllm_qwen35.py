@@ -88,13 +88,16 @@ def text_settings(vocab_size: int, pad: int, eos: int) -> dict:
                 pad_token_id=pad, eos_token_id=eos)
 
 
-def build_qwen35(folder: Path, form: str) -> Path:
+def build_qwen35(folder: Path, form: str, *, digits_only: bool = False) -> Path:
+    """A random tiny Qwen3.5 checkpoint; `digits_only` zeroes the output rows of every token but the 10 digits, so
+    greedy answers are digit strings and arithmetic's digit shaping grades them (rewards that differ by member)."""
     tokenizer = build_tiny_tokenizer(folder)
     settings = text_settings(len(tokenizer), tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
     torch.manual_seed(0)
     if form == "wrapper":
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=1, out_hidden_size=64, patch_size=16,
-                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[])
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                      deepstack_visual_indexes=[])
         model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=settings, vision_config=vision,
                                                               tie_word_embeddings=False))
     else:
@@ -102,6 +105,11 @@ def build_qwen35(folder: Path, form: str) -> Path:
     with torch.no_grad():  # random values everywhere, the linear-attention scalars included
         for param in model.parameters():
             param.normal_(0.0, 0.3)
+        if digits_only:
+            digits = tokenizer.convert_tokens_to_ids([str(digit) for digit in range(10)])
+            others = torch.ones(len(tokenizer), dtype=torch.bool)
+            others[digits] = False
+            model.get_output_embeddings().weight[others] = 0.0
     model.to(torch.bfloat16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -186,8 +194,34 @@ def test_checkpoint_check_fails_on_a_tensor_vllm_does_not_hold(qwen35) -> None:
 def test_an_hf_parameter_vllm_holds_nowhere_is_an_error(qwen35) -> None:
     _, folder, views, _ = qwen35
     trace = trace_checkpoint(vllm_model_of(views), checkpoint_tensors(folder))
-    views_but_one = {name: view for name, view in trace.views.items() if not name.endswith("layers.1.mlp.up_proj.weight")}
+    views_but_one = {name: view for name, view in trace.views.items()
+                     if not name.endswith("layers.1.mlp.up_proj.weight")}
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(views.config, dtype=torch.bfloat16)
     with pytest.raises(UserError, match=r"not mapped to HF names: model\.layers\.1\.mlp\.up_proj\.weight .* nothing"):
         bind_views(meta, CheckpointTrace(views_but_one, trace.skipped))
+
+
+def test_copes_run_trains_and_resumes_a_qwen35_wrapper_bitwise(tmp_path: Path) -> None:
+    """`copes-run --rollout-engine vllm` on the multimodal-wrapper checkpoint (in this process, where the stand-in
+    is): 2 steps resumed to 3 end bit for bit where 3 straight steps end, and the weights moved (the fp32 A_log
+    included, saved in fp32)."""
+    from click.testing import CliRunner
+    from cli_runs import FAST_FLAGS, assert_same_weights, final_weights, metrics_without_time
+
+    from copes.cli import run_command
+
+    folder = build_qwen35(tmp_path / "model", "wrapper", digits_only=True)
+    flags = [*FAST_FLAGS, "--model", str(folder), "--dtype", "bfloat16", "--rollout-engine", "vllm",
+             "--vllm-cpu-weights", "plain", "--vllm-kv-cache-gib", str(KV_CACHE_GIB), "--sigma", "0.05",
+             "--task-options", "digit_shaping=0.5"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for args in (["--steps", "3", "--output-dir", str(straight)], ["--steps", "2", "--output-dir", str(resumed)],
+                 ["--steps", "3", "--resume", str(resumed)]):
+        result = CliRunner().invoke(run_command, [*flags, *args])
+        assert result.exit_code == 0, result.output
+    weights = final_weights(straight)
+    assert_same_weights(final_weights(resumed), weights)
+    assert metrics_without_time(resumed) == metrics_without_time(straight)
+    assert any(record["update_norm"] > 0 for record in metrics_without_time(straight))
+    assert weights["model.layers.0.linear_attn.A_log"].dtype == torch.float32

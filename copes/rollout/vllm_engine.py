@@ -1,18 +1,17 @@
 """vLLM as the rollout engine, with the ES perturbation applied in place inside the engine.
 
-The model lives once, inside vLLM. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, eager,
-one uniprocess worker), so the worker's tensors are this process's tensors: the trainer gets a Hugging Face model
+The model lives once, inside vLLM. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, eager on CPU,
+one in-process worker), so the worker's tensors are this process's tensors: the trainer gets a Hugging Face model
 object (built on the meta device, no storage of its own) whose parameters are views of vLLM's storage under HF
 names, and `ParameterSpace` perturbs, restores and updates them unchanged, through the same kernels, with every
 restore mode and update precision; journals, resume and `save_pretrained` checkpoints read the same views. (Out
 of process, every perturbation would be an RPC and the strategy would have to live in the worker.)
 
-vLLM fuses some HF tensors; the views undo that by rows, which are contiguous blocks of a row-major matrix:
-    qkv_proj      -> q_proj [0:q), k_proj [q:q+kv), v_proj [q+kv:q+2kv)   (vLLM's `output_sizes`)
-    gate_up_proj  -> gate_proj [0:I), up_proj [I:2I)
-    embed_tokens / lm_head -> rows [0:V) of a vocabulary padded to a multiple of 64
-Building the views checks every one against the checkpoint, bit for bit, so a layout vLLM changes at load time
-is an error, not a silent mismatch.
+The views come from vLLM's own weight loader (copes.rollout.vllm_views): every checkpoint tensor is fed through
+`load_weights` once more with its copies recorded, not performed, so a wrapper's `language_model.` prefix, fused
+modules (by the loader's shard grouping), padded vocabularies and reshaped conv weights are followed whatever the
+architecture, each view is checked against the checkpoint bit for bit, and a parameter vLLM keeps in fp32 (Qwen3.5's
+`A_log`) is handed to the trainer in fp32. A multimodal checkpoint loads text-only (`language_model_only`).
 
 On CPU, `cpu_weights="packed"` also keeps vLLM's packed GEMM copy of every linear weight (faster GEMMs; twice the
 linear weights' memory) and rebuilds, right before a generation, the copies of the layers written since their last
@@ -21,7 +20,10 @@ a generation never runs on a stale copy. On CUDA vLLM's linear layers read the p
 to pack.
 
 Prefix caching stays on (it serves the turns of one multi-turn rollout), and `start_rollout()` drops the cache
-before every rollout: KV computed under another member's weights is never served.
+when a weight was written since the last rollout (the parameters' version counters tell): KV computed under other
+weights is never served, and held-out evaluation keeps its prefixes.
+
+Under torchrun or --workers each rank runs its own engine in vLLM's external-launcher mode (see `_in_torch_world`).
 
 vLLM's CPU worker replaces `torch.set_num_threads` with a no-op once it starts; the engine sets the thread count
 before that and puts the real function back after, so `--cpu-threads` keeps working in this process.
@@ -47,7 +49,8 @@ from copes.extras import require
 from copes.modeling import resolve_device, resolve_dtype, resolve_model_path
 from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids, row_limits
 from copes.rollout.vllm_views import bind_views, checkpoint_tensors, trace_checkpoint
-from copes.rollout.vllm_worker import WORKER_EXTENSION, PackedConvWeights, PackedLinearWeights, keep_plain_linear_weights
+from copes.rollout.vllm_worker import (WORKER_EXTENSION, PackedConvWeights, PackedLinearWeights,
+                                       keep_plain_linear_weights)
 
 # The engine in this process (always: out of process the views would be copies that perturb nothing), and a
 # compile cache that cannot outlive the linear-layer patch.

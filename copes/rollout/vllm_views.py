@@ -111,6 +111,15 @@ def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
+def stored_tensors(path: Path, names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors `names` of the safetensors checkpoint folder `path`, in their stored dtype (only those are read)."""
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")) if names else ():
+        with safe_open(str(file), framework="pt") as handle:
+            found.update({name: handle.get_tensor(name) for name in names & set(handle.keys())})
+    return found
+
+
 def _view_of_copies(name: str, tensor: torch.Tensor, copies: list[_Copy],
                     parameters: dict[str, torch.Tensor]) -> torch.Tensor:
     """The engine view that holds checkpoint tensor `name`, from the copies its load made."""
