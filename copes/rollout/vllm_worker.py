@@ -16,8 +16,9 @@ change is seen through the tensors' autograd version counters: torch's in-place 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,7 +41,11 @@ def keep_plain_linear_weights() -> None:
         if layer.weight.ndim == 2 and not layer.weight.is_meta:
             layer.cpu_linear = F.linear  # called as cpu_linear(x, layer.weight, bias)
             return
+        plain = layer.weight.data
         vllm_dispatch(layer, remove_weight)
+        if layer.weight.data.data_ptr() != plain.data_ptr():  # a packed conv weight: see PackedConvWeights
+            layer.weight.data = plain
+            layer.copes_plain_weight = plain
 
     plain_linear_dispatch.keeps_plain_weights = True  # type: ignore[attr-defined]
     plain_linear_dispatch.vllm_dispatch = vllm_dispatch  # type: ignore[attr-defined]
@@ -98,6 +103,34 @@ class PackedLinearWeights:
         if bias is not None and layer.bias.data_ptr() != bias_address:
             raise UserError(f"vLLM's packed GEMM for {name} moves its bias to new storage the trainer cannot "
                             "perturb; use vllm_cpu_weights: plain")
+
+
+class PackedConvWeights:
+    """vLLM-CPU's packed causal-conv weights (Qwen3.5 / Qwen3-Next linear attention on AVX-512-BF16 and Arm-BF16
+    CPUs), whose C++ kernel reads only the packed layout. The plain weight stays the layer's (and the trainer's)
+    tensor; `during_generation()` packs it again, with vLLM's own dispatch, when it was written since the last
+    pack, lends the packed copy to the layer for the generation and puts the plain weight back after, so a write
+    between generations lands in the plain weight and the next generation runs on it."""
+
+    def __init__(self, vllm_model: torch.nn.Module) -> None:
+        self.layers = {name: module for name, module in vllm_model.named_modules()
+                       if getattr(module, "copes_plain_weight", None) is not None}
+        self._packed: dict[str, tuple[int, torch.Tensor]] = {}  # layer -> (weight version when packed, packed copy)
+        self._dispatch = _vllm_linear_dispatch()
+
+    @contextlib.contextmanager
+    def during_generation(self) -> Iterator[None]:
+        for name, layer in self.layers.items():
+            version = layer.weight._version  # the Parameter's counter, which the trainer's view shares (not .data's)
+            if self._packed.get(name, (None,))[0] != version:
+                self._dispatch(layer, False)  # packs the plain weight and lends the copy to the layer
+                self._packed[name] = (version, layer.weight.data)
+            layer.weight.data = self._packed[name][1]
+        try:
+            yield
+        finally:
+            for layer in self.layers.values():
+                layer.weight.data = layer.copes_plain_weight
 
 
 class CoPESWorkerExtension:

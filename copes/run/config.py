@@ -140,8 +140,6 @@ class TrainConfig:
             raise ConfigError(f"--vllm-kv-cache-gib must be > 0, got {self.vllm_kv_cache_gib}")
         if self.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
-        if self.workers > 1 and self.rollout_engine == "vllm":
-            raise ConfigError("--rollout-engine vllm runs in one process; use --workers 1 with it")
         if self.cpu_threads < 0:
             raise ConfigError(f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         if min(self.steps, self.eval_size, self.eval_every, self.checkpoint_every, self.sample_every, self.sample_prompts) < 0:

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from copes.choices import PER_MEMBER_ALGORITHMS
+from copes.rollout.vllm_views import stored_tensors
 from copes.run import checkpoint as ckpt
 from copes.run.config import ConfigError, TrainConfig
 from copes.run.journal import JournalContents, JournalWriter, RunJournal, check_same_model, check_same_run, read_journal
@@ -80,6 +81,9 @@ def newest_checkpoint(run_dir: Path, run_id: str, steps_done: int) -> Checkpoint
 
 def load_checkpoint_into(checkpoint: Checkpoint, model: torch.nn.Module, strategy: Any) -> None:
     weights = type(model).from_pretrained(checkpoint.folder, dtype=model.dtype).state_dict()
+    # A parameter kept wider than the model's dtype (the vLLM engine's fp32 A_log) comes back at its own precision.
+    wider = {name for name, param in model.named_parameters() if param.dtype != model.dtype}
+    weights.update(stored_tensors(checkpoint.folder, wider))
     model.load_state_dict(weights, strict=False)
     strategy.load_state_dict(checkpoint.es_state)
 

@@ -47,8 +47,8 @@ class Trainer:
         if not self.train_set:
             raise ConfigError(f"task {cfg.task} has no training examples")
         self.eval_set = eval_examples(self.task, cfg, warn=self.is_main)
-        if self.dist and cfg.rollout_engine == "vllm":  # vLLM's in-process engine would join torchrun's world group
-            raise ConfigError("--rollout-engine vllm runs in one process; under torchrun use --rollout-engine hf")
+        # Under torchrun / --workers each rank builds its own engine on its own device (vLLM's external-launcher mode:
+        # copes.rollout.vllm_engine), all ranks at once, as vLLM's engine start is collective over the world.
         self.model, self.tokenizer, self.device = load_rollout_model(
             cfg.model, engine=cfg.rollout_engine, device=str(self.dist.device) if self.dist else cfg.device,
             dtype=cfg.dtype, cpu_threads=cfg.cpu_threads, kv_cache_gib=cfg.vllm_kv_cache_gib,
