@@ -19,14 +19,15 @@ import torch
 from tqdm.auto import tqdm
 
 from copes.run import checkpoint as ckpt
-from copes.run.components import build_strategy, build_tools, task_from_config
+from copes.run.components import GivenParts, build_strategy, build_tools, split_given, task_from_config, warn_at_start
 from copes.run.config import ConfigError, TrainConfig, build_config
 from copes.run.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, init_distributed,
                                members_for_rank)
 from copes.run.evaluation import evaluate
 from copes.failpoints import failpoint
 from copes.run.journal import JournalWriter, RunJournal, build_header, journal_path
-from copes.run.metrics import MetricsLog, PhaseTimer, log_table, peak_memory_bytes, plot_curves, start_wandb
+from copes.run.metrics import (MetricsLog, PhaseTimer, log_table, peak_memory_bytes, plot_curves, progress_bar,
+                               start_wandb, zero_update_warning)
 from copes.modeling import resolve_model_path
 from copes.run.replay import replay_member, replays_members, resume_run
 from copes.rollout import AgentConfig
@@ -55,6 +56,7 @@ class Trainer:
     cfg: TrainConfig
     progress: bool = True
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    given: GivenParts = field(default_factory=GivenParts)  # a Task object or reward callables from copes.train
 
     def __post_init__(self) -> None:
         cfg = self.cfg
@@ -68,7 +70,7 @@ class Trainer:
             probe.unlink()
         except OSError as error:
             raise ConfigError(f"output dir {self.out} is not writable: {error.strerror or error}") from None
-        self.task = task_from_config(cfg)
+        self.task = task_from_config(cfg, self.given)
         self.train_set = self.task.examples("train")
         if not self.train_set:
             raise ConfigError(f"task {cfg.task} has no training examples")
@@ -80,6 +82,8 @@ class Trainer:
             cfg.model, engine=cfg.rollout_engine, device=device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
             kv_cache_gib=cfg.vllm_kv_cache_gib, max_context_tokens=cfg.max_context_tokens,
             vllm_cpu_weights=cfg.vllm_cpu_weights)
+        if self.is_main:
+            warn_at_start(self.task, self.train_set, self.tokenizer, self.model)
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out,
                                  unsafe_sandbox=cfg.unsafe_sandbox)
         limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens,
@@ -139,7 +143,8 @@ class Trainer:
                 self.journal.record_members(step + 1, dict(zip(mine, rewards)))
         else:
             self.strategy.plan()
-            members = tqdm(mine, desc=f"step {step + 1} members", leave=False, disable=not (self.progress and self.is_main))
+            members = progress_bar(mine, desc=f"step {step + 1} members", leave=False, nested=True,
+                                   enabled=self.progress and self.is_main)
             for member in members:
                 if member not in known:
                     rewards = self.evaluate_member(member, examples, sampling=sampling)
@@ -210,7 +215,7 @@ class Trainer:
         """Continue the run journaled in `path`: its newest checkpoint (or the base model) plus a replay of every
         journaled update after it; members already scored in the step in progress are not rolled out again."""
         resumed = resume_run(path, self.cfg, self.model, self.strategy, writer=self.is_main,
-                             progress=self.progress and self.is_main)
+                             progress=self.progress and self.is_main and sys.stderr.isatty())
         self.journal, self.start_step = resumed.journal, resumed.contents.steps_done
         self.eval_before, self.saved_step = resumed.contents.eval_before, resumed.checkpoint_step
         self.evals = resumed.contents.evals(self.start_step)
@@ -247,12 +252,14 @@ class Trainer:
             self.eval_before = self.held_out(step=0)
             self.journal.record_eval_before(self.eval_before)
         stopped_by, step = "steps", self.start_step
-        bar = tqdm(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}", initial=self.start_step,
-                   total=cfg.steps, disable=not (self.progress and self.is_main))
+        bar = progress_bar(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}",
+                           initial=self.start_step, total=cfg.steps, enabled=self.progress and self.is_main)
         for step in bar:
             examples = [self.train_set[i] for i in batch_indices(step, cfg.prompt_batch, len(self.train_set), cfg.seed)]
             phase_before = dict(self.timer.seconds)
             stats = self.population_step(step, examples)
+            if stats.zero_update and not any(r.get("zero_update") for r in metrics.records) and self.is_main:
+                tqdm.write(f"warning: {zero_update_warning(step + 1, stats)}", file=sys.stderr)
             for phase, seconds in stats.phase_seconds().items():  # rollout includes generate and tools
                 self.timer.add(phase, seconds)
             record = {"step": step + 1, **{k: v for k, v in asdict(stats).items() if not k.endswith("_seconds") and k != "step"},
@@ -296,12 +303,16 @@ class Trainer:
         return summary
 
 
-def train(config: TrainConfig | dict[str, Any], *, resume: str | None = None, progress: bool = False) -> dict[str, Any]:
+def train(config: TrainConfig | dict[str, Any], *, task: Any = None, reward: Any = None, resume: str | None = None,
+          progress: bool = False) -> dict[str, Any]:
     """A whole run from Python, as `copes-run` does it: `config` is a TrainConfig or a mapping of its fields
-    (validated onto the defaults; the model's preset is not read); `resume` a run dir or checkpoint. Returns the
-    summary (also written to summary.json)."""
-    cfg = config if isinstance(config, TrainConfig) else build_config(config)
-    trainer = Trainer(cfg.validate(), progress=progress)
+    (validated onto the defaults; the model's preset is not read; an unknown key is a ConfigError); `task` a Task
+    object and `reward` reward functions (callables or specs), also accepted as the mapping's "task" and
+    "reward"; `resume` a run dir or checkpoint. Returns the summary (also written to summary.json)."""
+    layer = {**(config.to_dict() if isinstance(config, TrainConfig) else config),
+             **({"task": task} if task is not None else {}), **({"reward": reward} if reward is not None else {})}
+    plain, given = split_given(layer)
+    trainer = Trainer(build_config(plain), progress=progress, given=given)
     if resume:
         trainer.resume(resume)
     return trainer.train()
