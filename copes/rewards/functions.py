@@ -45,8 +45,10 @@ _STARTUP_TIMEOUT_S = 120.0
 
 
 def _golds(value: Any) -> list[str]:
-    """Accepted answers of one row: a list column holds several (QA aliases), anything else is one."""
-    return [str(v) for v in value] if isinstance(value, (list, tuple)) and value else [str(value)]
+    """Accepted answers of one row: a list column holds several (QA aliases), anything else is one; a worked
+    solution ending in GSM8K's `#### N` line counts as its N."""
+    values = value if isinstance(value, (list, tuple)) and value else [value]
+    return [str(v).rsplit("####", 1)[1].strip().replace(",", "") if "####" in str(v) else str(v) for v in values]
 
 
 def _exact(completions: list[str], answers: list[Any]) -> list[float]:
@@ -125,6 +127,8 @@ def import_object(spec: str, what: str) -> Any:
     except ImportError as error:
         raise ConfigError(f"{what} {spec}: cannot import {module_name} from the working directory or "
                           f"PYTHONPATH ({error})") from None
+    except Exception as error:  # noqa: BLE001 - the user's module failed while importing: one line, not a traceback
+        raise ConfigError(f"{what} {spec}: importing {module_name} failed ({type(error).__name__}: {error})") from None
     if not hasattr(module, name):
         raise ConfigError(f"{what} {spec}: module {module_name} ({module.__file__}) has no {name!r}")
     return getattr(module, name)

@@ -71,9 +71,9 @@ def task_from_config(cfg: TrainConfig, given: GivenParts = GivenParts()) -> Task
     rewards = given.rewards if given.rewards is not None else cfg.reward
     try:
         if given.task is not None:
-            return with_rewards(given.task, rewards, cfg.reward_weights)
+            return with_rewards(given.task, rewards, cfg.reward_weights, cfg.reward_timeout_s)
         return build_task(cfg.task, cfg.task_options, rewards=rewards, reward_weights=cfg.reward_weights,
-                          data_dir=cfg.data_dir)
+                          data_dir=cfg.data_dir, reward_timeout_s=cfg.reward_timeout_s)
     except (ValueError, TypeError) as error:  # unknown task, or an option the task does not take
         raise ConfigError(f"task {cfg.task}: {error}") from None
 

@@ -50,6 +50,8 @@ class TrainConfig:
     reward: list[str] = _opt([], "reward functions replacing the task's own: a built-in (exact, math, qa_em, qa_f1, "
                                  "countdown, format) or MODULE:FUNCTION with TRL's signature "
                                  "f(completions, **columns) -> list[float | None]")
+    reward_timeout_s: float = _opt(30.0, "seconds one call of a MODULE:FUNCTION reward may take; a call that runs "
+                                         "longer (or raises) gives invalid rewards and one warning")
     reward_weights: list[float] = _opt([], "one weight per --reward (default: 1 each); a completion's reward is the "
                                            "weighted sum")
     algorithm: str = _opt("copes", " | ".join(f"{a.name} ({a.help})" for a in ALGORITHM_TABLE), choices=ALGORITHMS)
@@ -164,6 +166,8 @@ class TrainConfig:
         if self.antithetic and self.algorithm in PER_MEMBER_ALGORITHMS and (self.population // self.num_subspaces) % 2:
             raise ConfigError(f"--antithetic pairs the members of each subspace, but --population {self.population} "
                               f"gives {self.population // self.num_subspaces} per subspace (odd)")
+        if not self.reward_timeout_s > 0:
+            raise ConfigError(f"--reward-timeout-s must be > 0, got {self.reward_timeout_s}")
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
             raise ConfigError(f"--reward-weights gives {len(self.reward_weights)} weights for {len(self.reward)} "
                               f"--reward functions ({', '.join(self.reward) or 'none'})")

@@ -106,6 +106,7 @@ def resume_config(run_dir: str | Path, file_layer: dict[str, Any], flags: dict[s
     refused in one sentence, and the run continues in its own directory."""
     header = read_header(run_dir)
     saved = {k: v for k, v in header["config"].items() if k in FIELD_NAMES}
+    flags = {k: v for k, v in flags.items() if v != ()}  # a repeatable option left empty is unset, not []
     cfg = build_config(saved, file_layer, {**flags, "output_dir": flags.get("output_dir") or str(run_dir)})
     check_same_run(run_dir, header, cfg)
     if Path(cfg.output_dir).resolve() != Path(run_dir).resolve():

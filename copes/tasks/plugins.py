@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from copes.errors import ConfigError
-from copes.rewards.functions import REWARD_NAMES, RewardSet, import_object, is_import_path, module_source, resolve_reward, sha256_of
+from copes.rewards.functions import DEFAULT_TIMEOUT_S, REWARD_NAMES, RewardSet, import_object, is_import_path, module_source, resolve_reward, sha256_of
 from copes.tasks.base import Example, Score, Task, batch_used_tools, get_task, task_names
 from copes.tasks.file_task import HUB_PREFIX, FileTask, is_dataset_file, parse_hub_spec
 
@@ -58,8 +58,9 @@ class RewardedTask:
                 for completion, total, value in zip(completions, totals, first)]
 
 
-def reward_set(rewards: Sequence[RewardSpec], weights: Sequence[float], answer_field: str) -> RewardSet:
-    return RewardSet([resolve_reward(spec, answer_field=answer_field) for spec in rewards], weights)
+def reward_set(rewards: Sequence[RewardSpec], weights: Sequence[float], answer_field: str,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> RewardSet:
+    return RewardSet([resolve_reward(spec, answer_field=answer_field, timeout_s=timeout_s) for spec in rewards], weights)
 
 
 def _plugin_task(spec: str, options: dict[str, Any]) -> Task:
@@ -75,29 +76,31 @@ def _plugin_task(spec: str, options: dict[str, Any]) -> Task:
 
 
 def build_task(spec: str, options: dict[str, Any], *, rewards: Sequence[RewardSpec] = (),
-               reward_weights: Sequence[float] = (), data_dir: str | None = None) -> Task:
+               reward_weights: Sequence[float] = (), data_dir: str | None = None,
+               reward_timeout_s: float = DEFAULT_TIMEOUT_S) -> Task:
     """The task `spec` names (see the module docstring), scored by `rewards` when given; `data_dir` goes to
     copes' own tasks (a file, hub or plugin task names its own data)."""
     if spec in task_names():
         return with_rewards(get_task(spec, **options, **({"data_dir": data_dir} if data_dir else {})), rewards,
-                            reward_weights)
+                            reward_weights, reward_timeout_s)
     if spec.startswith(HUB_PREFIX) or is_dataset_file(spec):
         answer_field = options.get("answer_field", "answer")
-        scoring = reward_set(rewards, reward_weights, answer_field) if rewards else None
+        scoring = reward_set(rewards, reward_weights, answer_field, reward_timeout_s) if rewards else None
         return FileTask(spec, **options, rewards=scoring)
     if is_import_path(spec):
-        return with_rewards(_plugin_task(spec, options), rewards, reward_weights)
+        return with_rewards(_plugin_task(spec, options), rewards, reward_weights, reward_timeout_s)
     raise ConfigError(f"unknown task {spec!r}: give {TASK_FORMS} (names: {', '.join(task_names())})")
 
 
-def with_rewards(task: Task, rewards: Sequence[RewardSpec], reward_weights: Sequence[float] = ()) -> Task:
+def with_rewards(task: Task, rewards: Sequence[RewardSpec], reward_weights: Sequence[float] = (),
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Task:
     """`task`, scored by `rewards` instead of its own scoring when any are given (a file task takes them itself)."""
     if not rewards:
         return task
     if isinstance(task, FileTask):
-        task.rewards = reward_set(rewards, reward_weights, task.answer_field)
+        task.rewards = reward_set(rewards, reward_weights, task.answer_field, timeout_s)
         return task
-    return RewardedTask(task, reward_set(rewards, reward_weights, RewardedTask.answer_field))
+    return RewardedTask(task, reward_set(rewards, reward_weights, RewardedTask.answer_field, timeout_s))
 
 
 # ---------------------------------------------------------------------------------------------------------
