@@ -335,3 +335,25 @@ def test_a_reward_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch)
         resolve_reward("typo_rewards:score", answer_field="answer")
     with pytest.raises(ConfigError, match="has no 'nothing'"):
         resolve_reward("json:nothing", answer_field="answer")
+
+
+def test_copes_eval_takes_the_same_task_and_reward_specs(project, monkeypatch):
+    from click.testing import CliRunner
+
+    from copes.cli import eval_command
+
+    monkeypatch.chdir(project)
+    result = CliRunner().invoke(eval_command, ["--model", MODEL, *FILE_TASK, *USER_REWARD, "--split", "validation",
+                                               "--limit", "4", "--max-new-tokens", "4", "--cpu-threads", "1"])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.startswith("| train.jsonl "))
+    assert float(row.split("|")[4]) >= 200  # the mean reward is the user's 100 * level + exact, level >= 2
+
+
+def test_the_embedded_model_on_gsm8k_is_warned_about_at_start(tmp_path, capsys):
+    import copes
+
+    copes.train({"model": MODEL, "task": "gsm8k", "steps": 0, "eval_size": 0, "tools": False, "population": 2,
+                 "subspaces": 1, "output_dir": str(tmp_path)})
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "UNK/EOS" in line]
+    assert len(warnings) == 1 and "of gsm8k's prompt tokens" in warnings[0]
