@@ -15,6 +15,7 @@ counts as correct (held-out accuracy) when the first reward function gives it at
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,32 @@ def _bool_option(name: str, value: Any) -> bool:
     raise ConfigError(f"task option {name} must be true or false, got {value!r}")
 
 
-class FileTask(TaskBase):
+class RewardScored(ABC):
+    """Scoring by a RewardSet: the reward functions get each example's `columns` and prompt text."""
+
+    rewards: RewardSet
+
+    @abstractmethod
+    def columns(self, example: Example) -> dict[str, Any]:
+        """The row the reward functions see, column by column."""
+
+    @abstractmethod
+    def prompt(self, example: Example) -> str:
+        """The prompt text (`prompts` for the reward functions)."""
+
+    def score(self, completion: str, example: Example, *, used_tool: bool = False) -> Score:
+        return self.score_batch([completion], [example], [used_tool])[0]
+
+    def score_batch(self, completions: Sequence[str], examples: Sequence[Example],
+                    used_tools: Sequence[bool] | None = None) -> list[Score]:
+        batch_used_tools(completions, examples, used_tools)
+        totals, first = self.rewards.score(completions, [self.prompt(e) for e in examples],
+                                           [self.columns(e) for e in examples])
+        return [Score(reward=total, correct=not math.isnan(value) and value >= CORRECT_AT,
+                      answer=extract_answer(completion)) for completion, total, value in zip(completions, totals, first)]
+
+
+class FileTask(RewardScored, TaskBase):
     """Rows of a file or hub dataset as a task; see the module docstring for the options."""
 
     kind = "file"
@@ -142,13 +168,5 @@ class FileTask(TaskBase):
     def prompt(self, example: Example) -> str:
         return self._prefix + example.question
 
-    def score(self, completion: str, example: Example, *, used_tool: bool = False) -> Score:
-        return self.score_batch([completion], [example], [used_tool])[0]
-
-    def score_batch(self, completions: Sequence[str], examples: Sequence[Example],
-                    used_tools: Sequence[bool] | None = None) -> list[Score]:
-        batch_used_tools(completions, examples, used_tools)
-        totals, first = self.rewards.score(completions, [self.prompt(e) for e in examples],
-                                           [dict(e.meta) for e in examples])
-        return [Score(reward=total, correct=not math.isnan(value) and value >= CORRECT_AT,
-                      answer=extract_answer(completion)) for completion, total, value in zip(completions, totals, first)]
+    def columns(self, example: Example) -> dict[str, Any]:
+        return dict(example.meta)

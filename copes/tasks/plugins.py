@@ -23,14 +23,14 @@ from typing import Any
 
 from copes.errors import ConfigError
 from copes.rewards.functions import DEFAULT_TIMEOUT_S, REWARD_NAMES, RewardSet, import_object, is_import_path, module_source, resolve_reward, sha256_of
-from copes.tasks.base import Example, Score, Task, batch_used_tools, get_task, task_names
-from copes.tasks.file_task import HUB_PREFIX, FileTask, is_dataset_file, parse_hub_spec
+from copes.tasks.base import Example, Task, get_task, task_names
+from copes.tasks.file_task import HUB_PREFIX, FileTask, RewardScored, is_dataset_file, parse_hub_spec
 
 RewardSpec = str | Callable[..., Any]
 TASK_FORMS = "a task name, a .jsonl/.json/.parquet file, hf:OWNER/NAME[:CONFIG] or MODULE:FACTORY"
 
 
-class RewardedTask:
+class RewardedTask(RewardScored):
     """Another task with its scoring replaced by a RewardSet; everything else (prompt, splits, tools) is its own."""
 
     answer_field = "answer"
@@ -38,24 +38,15 @@ class RewardedTask:
     def __init__(self, task: Task, rewards: RewardSet) -> None:
         self.task, self.rewards = task, rewards
 
-    def __getattr__(self, name: str) -> Any:  # name, kind, chat, examples, prompt, corpus_paragraphs, ...
+    def __getattr__(self, name: str) -> Any:  # name, kind, chat, examples, corpus_paragraphs, ...
         return getattr(self.task, name)
 
-    @staticmethod
-    def columns(example: Example) -> dict[str, Any]:
+    def prompt(self, example: Example) -> str:
+        return self.task.prompt(example)
+
+    def columns(self, example: Example) -> dict[str, Any]:
         gold: Any = example.golds[0] if len(example.golds) == 1 else list(example.golds)
         return {**example.meta, "question": example.question, "answer": gold}
-
-    def score(self, completion: str, example: Example, *, used_tool: bool = False) -> Score:
-        return self.score_batch([completion], [example], [used_tool])[0]
-
-    def score_batch(self, completions: Sequence[str], examples: Sequence[Example],
-                    used_tools: Sequence[bool] | None = None) -> list[Score]:
-        batch_used_tools(completions, examples, used_tools)
-        totals, first = self.rewards.score(completions, [self.task.prompt(e) for e in examples],
-                                           [self.columns(e) for e in examples])
-        return [Score(reward=total, correct=value >= 1.0, answer=completion.strip())
-                for completion, total, value in zip(completions, totals, first)]
 
 
 def reward_set(rewards: Sequence[RewardSpec], weights: Sequence[float], answer_field: str,
