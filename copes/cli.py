@@ -176,8 +176,9 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 
 @click.command(context_settings=COMMAND_SETTINGS)
 @config_options("model", "tools", "unsafe_sandbox", "max_new_tokens", "device", "dtype", "cpu_threads", "rollout_engine",
-                "vllm_kv_cache_gib", "vllm_cpu_weights", "data_dir", field_defaults=True)
-@click.option("--task", "tasks", multiple=True, default=["arithmetic"], help="task to evaluate (repeatable)")
+                "vllm_kv_cache_gib", "vllm_cpu_weights", "data_dir", "task_options", "reward", field_defaults=True)
+@click.option("--task", "tasks", multiple=True, default=["arithmetic"],
+              help="task to evaluate (repeatable): a name, a dataset file, hf:OWNER/NAME or MODULE:FACTORY")
 @click.option("--split", default="test", help="split to evaluate")
 @click.option("--limit", type=int, help="first N questions only")
 @click.option("--samples", type=int, default=1, help="samples per question (paper: 32 for GSM8K/MATH, 256 for AIME)")
@@ -190,14 +191,14 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | None, samples: int, temperature: float,
                  ks: tuple[int, ...], tools: bool, unsafe_sandbox: bool, max_new_tokens: int, batch_size: int, device: str, dtype: str,
                  cpu_threads: int, rollout_engine: str, vllm_kv_cache_gib: float, vllm_cpu_weights: str, data_dir: str | None,
-                 output: str | None, seed: int) -> None:
+                 task_options: dict[str, Any] | None, reward: tuple[str, ...], output: str | None, seed: int) -> None:
     """Evaluate a model: greedy accuracy, or pass@k with the unbiased estimator over several samples."""
     from copes.run.components import build_tools
     from copes.run.evaluation import evaluate, format_table
     from copes.run.metrics import PhaseTimer
     from copes.rollout import AgentConfig
     from copes.rollout.engine import load_rollout_model
-    from copes.tasks import get_task
+    from copes.tasks.plugins import build_task
 
     if samples < 1 or any(k < 1 or k > samples for k in ks):
         raise ConfigError(f"every --k must be between 1 and --samples ({samples}), got {list(ks)}")
@@ -208,7 +209,7 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
                                           vllm_cpu_weights=engine.vllm_cpu_weights)
     results = {}
     for name in tasks:
-        task = get_task(name, **({"data_dir": data_dir} if data_dir else {}))
+        task = build_task(name, task_options or {}, rewards=reward, data_dir=data_dir)
         examples = task.examples(split, limit=limit)
         limits = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
         agent = AgentConfig.for_task(task, **limits)

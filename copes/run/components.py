@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,9 @@ from copes.choices import ALGORITHMS_BY_NAME
 from copes.errors import ConfigError
 from copes.run.config import TrainConfig
 from copes.run.metrics import PhaseTimer
-from copes.tasks import Example, Task, get_task
+from copes.rewards.functions import callable_label
+from copes.tasks import Example, Task
+from copes.tasks.plugins import RewardSpec, build_task, with_rewards
 
 if TYPE_CHECKING:  # the strategies, the rollout code (and torch) load only when a run builds them
     from copes.es.strategies.base import Strategy
@@ -42,11 +45,39 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
         raise ConfigError(str(error)) from None
 
 
-def task_from_config(cfg: TrainConfig) -> Task:
-    """The run's task with its options (data_dir included); an unknown task or option is a ConfigError."""
-    options = {**cfg.task_options, **({"data_dir": cfg.data_dir} if cfg.data_dir else {})}
+@dataclass(frozen=True)
+class GivenParts:
+    """What a Python caller hands `copes.train` as objects rather than names: a Task, and a reward list that
+    holds callables (the config records the task's name and each callable as `module:qualname`)."""
+
+    task: Task | None = None
+    rewards: tuple[RewardSpec, ...] | None = None
+
+
+def split_given(config: dict[str, Any]) -> tuple[dict[str, Any], GivenParts]:
+    """A config mapping with a Task object or reward callables in it -> (the mapping of plain values, the objects)."""
+    plain, task = dict(config), None
+    if not isinstance(plain.get("task", ""), str):
+        task = plain["task"]
+        plain["task"] = str(getattr(task, "name", type(task).__name__))
+    rewards = plain.get("reward")
+    if isinstance(rewards, (str, Callable)):
+        rewards = [rewards]
+    if rewards is not None:
+        plain["reward"] = [spec if isinstance(spec, str) else callable_label(spec) for spec in rewards]
+    given_rewards = tuple(rewards) if rewards is not None and any(callable(r) for r in rewards) else None
+    return plain, GivenParts(task, given_rewards)
+
+
+def task_from_config(cfg: TrainConfig, given: GivenParts = GivenParts()) -> Task:
+    """The run's task with its options and rewards (copes.tasks.plugins); an unknown task or option, or a bad
+    reward, is a ConfigError."""
+    rewards = given.rewards if given.rewards is not None else cfg.reward
     try:
-        return get_task(cfg.task, **options)
+        if given.task is not None:
+            return with_rewards(given.task, rewards, cfg.reward_weights, cfg.reward_timeout_s)
+        return build_task(cfg.task, cfg.task_options, rewards=rewards, reward_weights=cfg.reward_weights,
+                          data_dir=cfg.data_dir, reward_timeout_s=cfg.reward_timeout_s)
     except (ValueError, TypeError) as error:  # unknown task, or an option the task does not take
         raise ConfigError(f"task {cfg.task}: {error}") from None
 
@@ -143,3 +174,35 @@ def task_corpus(task: Task, folder: Path, splits: Sequence[str] | None = None) -
     path = folder / f"{task.name}_corpus.jsonl"
     write_corpus(paragraphs, path)
     return path
+
+
+# Share of a task's prompt tokens that, mapped to UNK or EOS, means the model cannot read the task's text.
+UNREADABLE_SHARE = 0.5
+PROMPTS_CHECKED = 1000  # the first training prompts, enough to show either problem without tokenizing a corpus
+
+
+def startup_warnings(task: Task, examples: Sequence[Example], tokenizer: Any, model: Any) -> list[str]:
+    """What a new user should hear before training: prompts longer than the model's positions, and a tokenizer
+    that turns most of the prompts into UNK/EOS ids (a model whose vocabulary does not cover the task's text)."""
+    prompts = [task.prompt(example) for example in examples[:PROMPTS_CHECKED]]
+    if not prompts:
+        return []
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    warnings = []
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    too_long = [len(row) for row in ids if positions and len(row) > positions]
+    if too_long:
+        warnings.append(f"{len(too_long)} of the first {len(prompts)} prompts of {task.name} are longer than the "
+                        f"model's {positions} positions (up to {max(too_long)} tokens); they cannot be read whole")
+    unreadable = {token for token in (tokenizer.unk_token_id, tokenizer.eos_token_id) if token is not None}
+    total = sum(len(row) for row in ids)
+    lost = sum(token in unreadable for row in ids for token in row)
+    if total and lost / total > UNREADABLE_SHARE:
+        warnings.append(f"the tokenizer maps {100 * lost / total:.0f}% of {task.name}'s prompt tokens to UNK/EOS: "
+                        "this model's vocabulary does not cover the task's text, so it cannot learn it")
+    return warnings
+
+
+def warn_at_start(task: Task, examples: Sequence[Example], tokenizer: Any, model: Any) -> None:
+    for line in startup_warnings(task, examples, tokenizer, model):
+        print(f"warning: {line}", file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ from copes.errors import ConfigError, UserError
 
 # Where each algorithm-specific option applies; an option set for any other algorithm is ignored (with a warning).
 # Options that fix a run's trajectory: a resumed run must share them with the journal it continues.
-RESUME_KEYS = ("model", "task", "task_options", "algorithm", "population", "subspaces", "sigma", "lr", "rank",
+RESUME_KEYS = ("model", "task", "task_options", "reward", "reward_weights", "algorithm", "population", "subspaces", "sigma", "lr", "rank",
                "prompt_batch", "fitness", "antithetic", "optimizer", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens",
                "tool_budgets", "tool_format", "template_kwargs")
 
@@ -40,8 +40,20 @@ def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
 @dataclass
 class TrainConfig:
     model: str = _opt("tiny", "model directory or hub id; 'tiny' is the embedded default model")
-    task: str = _opt("arithmetic", "task name (copes.tasks): gsm8k, math, math500, aime24, aime25, hotpotqa, 2wiki, musique, countdown, arithmetic")
-    task_options: dict[str, Any] = _opt({}, "keyword options of the task, e.g. qa_metric=em, digit_shaping=0.5, validation_size=500")
+    task: str = _opt("arithmetic", "what to train on: a task name (gsm8k, math, math500, aime24, aime25, hotpotqa, "
+                                   "2wiki, musique, countdown, arithmetic), a .jsonl/.json/.parquet file, "
+                                   "hf:OWNER/NAME[:CONFIG] (a hub dataset or a local datasets folder) or "
+                                   "MODULE:FACTORY (a function returning a Task; docs/your-task.md)")
+    task_options: dict[str, Any] = _opt({}, "keyword options of the task, e.g. qa_metric=em, digit_shaping=0.5, "
+                                            "validation_size=500; a file or hub task: prompt_field=, answer_field=, "
+                                            "eval_file=, eval_split=, chat=true|false, system_prompt=")
+    reward: list[str] = _opt([], "reward functions replacing the task's own: a built-in (exact, math, qa_em, qa_f1, "
+                                 "countdown, format) or MODULE:FUNCTION with TRL's signature "
+                                 "f(completions, **columns) -> list[float | None]")
+    reward_timeout_s: float = _opt(30.0, "seconds one call of a MODULE:FUNCTION reward may take; a call that runs "
+                                         "longer (or raises) gives invalid rewards and one warning")
+    reward_weights: list[float] = _opt([], "one weight per --reward (default: 1 each); a completion's reward is the "
+                                           "weighted sum")
     algorithm: str = _opt("copes", " | ".join(f"{a.name} ({a.help})" for a in ALGORITHM_TABLE), choices=ALGORITHMS)
     population: int = _opt(40, "N: perturbed members per step (paper: 40)")
     subspaces: int = _opt(4, "K: random parameter subspaces per step (paper: 4); 1 for es and eggroll",
@@ -152,6 +164,11 @@ class TrainConfig:
         if self.antithetic and self.algorithm in PER_MEMBER_ALGORITHMS and (self.population // self.num_subspaces) % 2:
             raise ConfigError(f"--antithetic pairs the members of each subspace, but --population {self.population} "
                               f"gives {self.population // self.num_subspaces} per subspace (odd)")
+        if not self.reward_timeout_s > 0:
+            raise ConfigError(f"--reward-timeout-s must be > 0, got {self.reward_timeout_s}")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward):
+            raise ConfigError(f"--reward-weights gives {len(self.reward_weights)} weights for {len(self.reward)} "
+                              f"--reward functions ({', '.join(self.reward) or 'none'})")
         if self.budget_hours is not None and self.budget_hours <= 0:
             raise ConfigError(f"--budget-hours must be > 0, got {self.budget_hours}")
         return self
@@ -203,6 +220,9 @@ def build_config(*layers: dict[str, Any]) -> TrainConfig:
     """Merge layers (later wins) onto the defaults, coercing scalar types; validation included."""
     merged: dict[str, Any] = {}
     for layer in layers:
+        unknown = sorted(set(layer) - FIELD_NAMES)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(sorted(FIELD_NAMES))}")
         merged.update({k: v for k, v in layer.items() if v is not None})
     types = {f.name: f.type for f in fields(TrainConfig)}
     for name, value in merged.items():
@@ -212,6 +232,9 @@ def build_config(*layers: dict[str, Any]) -> TrainConfig:
 
 def _coerce(name: str, value: Any, annotation: str) -> Any:
     if annotation.startswith("list"):
+        if annotation == "list[float]":  # --reward-weights 1,0.5 or repeated, or a YAML list
+            items = [part for v in ([value] if isinstance(value, (str, int, float)) else value) for part in str(v).split(",")]
+            return [_coerce(name, item, "float") for item in items]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"option {name} must be a list, got {value!r}")
         return [str(v) for v in value]

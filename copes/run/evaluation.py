@@ -147,7 +147,7 @@ def evaluate(
                 [prompt for _, prompt in batch],
                 tools=tools if task.chat else (),  # raw-prompt tasks run one turn without tools
                 config=config,
-                system_prompt=system_prompt,
+                system_prompt=system_prompt if system_prompt is not None else getattr(task, "system_prompt", None),
                 chat=task.chat,
                 seed=derive_seed(seed, batch_number),
             )

@@ -4,7 +4,8 @@ ES weights after step t are a pure function of the base weights, the seeds and t
 this file (kilobytes per run) is enough to rebuild any step (`copes.run.replay`) and to resume after SIGKILL losing
 at most the member in flight. `<output_dir>/journal` holds one record per line, `<crc32 hex> <json>\\n`:
 
-    {"kind": "header", ...}                                    first: everything that fixes the trajectory
+    {"kind": "header", ...}                                    first: everything that fixes the trajectory, with
+                                                               the sha256 of the user's data and modules
     {"kind": "eval", "step": 0, "record": {...}}               the held-out evaluation before training
     {"kind": "member", "step": s, "member": i, "rewards": r}   one per scored member (steps count from 1)
     {"kind": "update", "step": s, "record": {...}}             step s's metrics record, once its update is applied
@@ -29,6 +30,7 @@ import torch
 from copes.run.config import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, build_config
 from copes.failpoints import failpoint
 from copes.es.params import tensor_id_for
+from copes.tasks.plugins import changed_source, user_sources
 
 JOURNAL_NAME = "journal"
 FORMAT_VERSION = 1
@@ -65,6 +67,7 @@ def build_header(cfg: TrainConfig, model: torch.nn.Module, strategy: Any, model_
         "kind": "header", "format": FORMAT_VERSION, "run_id": run_id,
         "versions": {"copes": copes.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
         "config": cfg.to_dict(),
+        "user_sources": user_sources(cfg.task, cfg.task_options, cfg.reward),
         "model": {"name": cfg.model, "path": model_path, "fingerprint": model_fingerprint(model)},
         **strategy_identity(strategy),
     }
@@ -78,6 +81,9 @@ def check_same_run(run_dir: str | Path, header: dict[str, Any], cfg: TrainConfig
         if getattr(cfg, key) != theirs[key]:
             raise ConfigError(f"--resume {run_dir} belongs to a different run: {key}={theirs[key]!r} there, "
                               f"{getattr(cfg, key)!r} here")
+    changed = changed_source(header.get("user_sources", {}), user_sources(cfg.task, cfg.task_options, cfg.reward))
+    if changed:
+        raise ConfigError(f"--resume {run_dir} refused: {changed}; the journaled rewards came from the old one")
 
 
 def check_same_model(run_dir: str | Path, header: dict[str, Any], model: torch.nn.Module, strategy: Any) -> None:
@@ -100,6 +106,7 @@ def resume_config(run_dir: str | Path, file_layer: dict[str, Any], flags: dict[s
     refused in one sentence, and the run continues in its own directory."""
     header = read_header(run_dir)
     saved = {k: v for k, v in header["config"].items() if k in FIELD_NAMES}
+    flags = {k: v for k, v in flags.items() if v != ()}  # a repeatable option left empty is unset, not []
     cfg = build_config(saved, file_layer, {**flags, "output_dir": flags.get("output_dir") or str(run_dir)})
     check_same_run(run_dir, header, cfg)
     if Path(cfg.output_dir).resolve() != Path(run_dir).resolve():

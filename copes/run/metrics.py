@@ -1,4 +1,8 @@
-"""Where a run reports: metrics.jsonl, the curve PNG, phase timers and peak memory."""
+"""Where a run reports: metrics.jsonl, the curve PNG, phase timers, peak memory, progress and the warnings a
+step's numbers call for.
+
+Progress bars draw only on a terminal; in a log file (stderr not a TTY) the outer loop prints a plain line every
+`PLAIN_PROGRESS_EVERY_S` seconds instead, and nested bars print nothing, so logs hold no carriage returns."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch
 
 from copes.errors import UserError
 
-
+PLAIN_PROGRESS_EVERY_S = 30.0
 
 class PhaseTimer:
     """Accumulates wall seconds per phase; `with timer("generate"): ...`."""
@@ -149,6 +153,7 @@ def plot_curves(records: list[dict[str, Any]], evals: list[dict[str, Any]], path
     reward_axis.set_xlabel("step")
     reward_axis.set_ylabel("training reward")
     handles, labels = reward_axis.get_legend_handles_labels()
+    evals = [e for e in evals if e.get("accuracy") is not None]  # --eval-size 0 records an evaluation of nothing
     if evals:
         accuracy_axis = reward_axis.twinx()
         # Two evaluations (before and after, the default) are points, not a trend: a line between them would
@@ -168,3 +173,48 @@ def plot_curves(records: list[dict[str, Any]], evals: list[dict[str, Any]], path
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+class PlainProgress:
+    """A progress bar's content as plain lines for logs: `desc: i/total key=value` at the first item, then at
+    most every `interval_s` seconds, and at the last."""
+
+    def __init__(self, iterable: Any, *, desc: str, total: int | None = None, initial: int = 0,
+                 interval_s: float = PLAIN_PROGRESS_EVERY_S) -> None:
+        self.iterable, self.desc, self.initial, self.interval_s = iterable, desc, initial, interval_s
+        self.total = total if total is not None else initial + len(iterable)
+        self.postfix = ""
+
+    def set_postfix(self, **values: Any) -> None:
+        self.postfix = " ".join(f"{key}={value}" for key, value in values.items())
+
+    def __iter__(self) -> Iterator[Any]:
+        last = -float("inf")
+        for done, item in enumerate(self.iterable, start=self.initial + 1):
+            yield item  # the loop's body runs here; the line reports it finished
+            now = time.perf_counter()
+            if now - last >= self.interval_s or done == self.total:
+                print(f"{self.desc}: {done}/{self.total} {self.postfix}".rstrip(), file=sys.stderr, flush=True)
+                last = now
+
+
+def progress_bar(iterable: Any, *, desc: str, enabled: bool, nested: bool = False, **options: Any) -> Any:
+    """A tqdm bar on a terminal; plain periodic lines elsewhere (none for a `nested` bar); nothing when not
+    `enabled`. Each supports `set_postfix`."""
+    from tqdm.auto import tqdm
+
+    if enabled and sys.stderr.isatty():
+        return tqdm(iterable, desc=desc, **options)
+    if enabled and not nested:
+        return PlainProgress(iterable, desc=desc, total=options.get("total"), initial=options.get("initial", 0))
+    return tqdm(iterable, disable=True)
+
+
+def zero_update_warning(step: int, stats: Any) -> str:
+    """Why step `step` left the weights where they were: every member scored the same (the fitness of each
+    member, after invalid rewards were scored as the worst, had no spread)."""
+    invalid = f"; {stats.num_invalid_rewards} rewards were invalid" if stats.num_invalid_rewards else ""
+    return (f"step {step} applied no update: every member scored the same mean reward ({stats.mean_reward:.4g}"
+            f"{invalid}), so no direction was better. The task's reward gives this model no signal: check the "
+            "samples (samples.jsonl), give partial credit, or start from a model that solves some questions. "
+            "(Reported once; metrics.jsonl marks every such step zero_update.)")

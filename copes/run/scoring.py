@@ -45,7 +45,8 @@ def rollouts(
     tools_seconds_before = timer.seconds["tools"]
     with timer("generate"):
         trajectories = run_agent(model, tokenizer, prompts * copies, tools=tools if task.chat else (),
-                                 config=agent, chat=task.chat, row_context=row_context)
+                                 config=agent, chat=task.chat, row_context=row_context,
+                                 system_prompt=getattr(task, "system_prompt", None))
     timer.add("generate", -(timer.seconds["tools"] - tools_seconds_before))  # tool time is reported on its own
     scored = list(zip(trajectories, score_rollouts(task, list(examples) * copies, trajectories)))
     return [scored[i * len(prompts) : (i + 1) * len(prompts)] for i in range(copies)]

@@ -6,6 +6,7 @@ fits on one screen.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,12 +20,13 @@ from copes.es.strategies.base import WHOLE_POPULATION, StepStats
 from copes.failpoints import failpoint
 from copes.modeling import resolve_model_path
 from copes.rollout.engine import load_rollout_model
-from copes.run.components import batch_indices, build_agent, build_strategy, build_tools, eval_examples, task_from_config
+from copes.run.components import (GivenParts, batch_indices, build_agent, build_strategy, build_tools, eval_examples,
+                                   split_given, task_from_config, warn_at_start)
 from copes.run.config import TrainConfig, build_config
 from copes.run.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, init_distributed,
                                    members_for_rank)
 from copes.run.evaluation import evaluate
-from copes.run.metrics import PhaseTimer, peak_memory_bytes
+from copes.run.metrics import PhaseTimer, peak_memory_bytes, progress_bar, zero_update_warning
 from copes.run.record import RunRecord
 from copes.run.replay import replay_member, replays_members
 from copes.run.scoring import rollouts
@@ -36,13 +38,14 @@ class Trainer:
     cfg: TrainConfig
     progress: bool = True
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    given: GivenParts = field(default_factory=GivenParts)  # a Task object or reward callables from copes.train
 
     def __post_init__(self) -> None:
         cfg = self.cfg
         self.dist = init_distributed(cfg.device, timeout_s=cfg.dist_timeout_s)
         self.is_main = self.dist is None or self.dist.is_main  # only rank 0 writes logs and checkpoints
         self.record = RunRecord(cfg, writer=self.is_main)
-        self.task = task_from_config(cfg)
+        self.task = task_from_config(cfg, self.given)
         self.train_set = self.task.examples("train")
         if not self.train_set:
             raise ConfigError(f"task {cfg.task} has no training examples")
@@ -53,6 +56,8 @@ class Trainer:
             cfg.model, engine=cfg.rollout_engine, device=str(self.dist.device) if self.dist else cfg.device,
             dtype=cfg.dtype, cpu_threads=cfg.cpu_threads, kv_cache_gib=cfg.vllm_kv_cache_gib,
             max_context_tokens=cfg.max_context_tokens, vllm_cpu_weights=cfg.vllm_cpu_weights)
+        if self.is_main:
+            warn_at_start(self.task, self.train_set, self.tokenizer, self.model)
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url,
                                  timer=self.timer, corpus_dir=self.record.out, unsafe_sandbox=cfg.unsafe_sandbox)
         self.agent = build_agent(cfg, self.task)
@@ -91,7 +96,8 @@ class Trainer:
                 journal.record_members(step, {m: scored[m] for m in mine})
             return {m: scored[m] for m in mine}
         self.strategy.plan()
-        for member in tqdm(mine, desc=f"step {step} members", leave=False, disable=not (self.progress and self.is_main)):
+        for member in progress_bar(mine, desc=f"step {step} members", leave=False, nested=True,
+                                   enabled=self.progress and self.is_main):
             if member not in scored:
                 scored[member] = self.evaluate_member(member, examples, sampling=sampling).to(torch.float64)
                 journal.record_members(step, {member: scored[member]})
@@ -161,7 +167,8 @@ class Trainer:
     def resume(self, path: str) -> None:
         """Continue the run journaled in `path`; members already scored in the step in progress are not rolled out
         again."""
-        self.start_step = self.record.resume(path, self.model, self.strategy, progress=self.progress and self.is_main)
+        self.start_step = self.record.resume(path, self.model, self.strategy,
+                                             progress=self.progress and self.is_main and sys.stderr.isatty())
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -173,12 +180,14 @@ class Trainer:
         if record.eval_before is None:
             record.record_eval_before(self.held_out(step=0))
         stopped_by, step = "steps", self.start_step
-        bar = tqdm(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}", initial=self.start_step,
-                   total=cfg.steps, disable=not (self.progress and self.is_main))
+        bar = progress_bar(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}",
+                           initial=self.start_step, total=cfg.steps, enabled=self.progress and self.is_main)
         for step in bar:
             examples = [self.train_set[i] for i in batch_indices(step, cfg.prompt_batch, len(self.train_set), cfg.seed)]
             phase_before = dict(self.timer.seconds)
             stats = self.population_step(step, examples)
+            if stats.zero_update and self.is_main and not any(r.get("zero_update") for r in record.metrics.records):
+                tqdm.write(f"warning: {zero_update_warning(step + 1, stats)}", file=sys.stderr)
             for phase, seconds in stats.phase_seconds().items():  # rollout includes generate and tools
                 self.timer.add(phase, seconds)
             metrics = {"step": step + 1, **{k: v for k, v in asdict(stats).items() if not k.endswith("_seconds") and k != "step"},
@@ -214,12 +223,16 @@ class Trainer:
         return summary
 
 
-def train(config: TrainConfig | dict[str, Any], *, resume: str | None = None, progress: bool = False) -> dict[str, Any]:
+def train(config: TrainConfig | dict[str, Any], *, task: Any = None, reward: Any = None, resume: str | None = None,
+          progress: bool = False) -> dict[str, Any]:
     """A whole run from Python, as `copes-run` does it: `config` is a TrainConfig or a mapping of its fields
-    (validated onto the defaults; the model's preset is not read); `resume` a run dir or checkpoint. Returns the
-    summary (also written to summary.json)."""
-    cfg = config if isinstance(config, TrainConfig) else build_config(config)
-    trainer = Trainer(cfg.validate(), progress=progress)
+    (validated onto the defaults; the model's preset is not read; an unknown key is a ConfigError); `task` a Task
+    object and `reward` reward functions (callables or specs), also accepted as the mapping's "task" and
+    "reward"; `resume` a run dir or checkpoint. Returns the summary (also written to summary.json)."""
+    layer = {**(config.to_dict() if isinstance(config, TrainConfig) else config),
+             **({"task": task} if task is not None else {}), **({"reward": reward} if reward is not None else {})}
+    plain, given = split_given(layer)
+    trainer = Trainer(build_config(plain), progress=progress, given=given)
     if resume:
         trainer.resume(resume)
     return trainer.train()
