@@ -241,7 +241,8 @@ class VLLMEngine:
                 stop_token_ids=[*eos, pad], ignore_eos=False, skip_special_tokens=False,
             ))
         self.repack_changed_weights()
-        with row_context(list(rows if rows is not None else range(len(prompts)))) if row_context else contextlib.nullcontext():
+        keys = list(rows) if rows is not None else list(range(len(prompts)))
+        with row_context(keys) if row_context else contextlib.nullcontext():
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         eos_set = set(eos)
         return [

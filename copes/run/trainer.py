@@ -10,6 +10,7 @@ import os
 import sys
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from copes.run.replay import replay_member, replays_members, resume_run
 from copes.rollout import AgentConfig
 from copes.rollout.engine import load_rollout_model
 from copes.run.samples import SAMPLES_FILE, RolloutSamples
-from copes.run.scoring import rollouts
+from copes.run.scoring import MemberScoring, roll_out, rollouts
 from copes.es.strategies.base import WHOLE_POPULATION
 from copes.tasks import Example
 
@@ -140,12 +141,16 @@ class Trainer:
         else:
             self.strategy.plan()
             members = tqdm(mine, desc=f"step {step + 1} members", leave=False, disable=not (self.progress and self.is_main))
-            for member in members:
-                if member not in known:
-                    rewards = self.evaluate_member(member, examples, sampling=sampling)
-                    self.journal.record_members(step + 1, {member: rewards})
-                elif replays_members(self.cfg):
-                    replay_member(self.strategy, member, known[member])
+            record = lambda member, rewards: self.journal.record_members(step + 1, {member: rewards})  # noqa: E731
+            # --overlap-scoring: a member is scored (and journaled) while the next one generates.
+            with MemberScoring(self.task, examples, record) if self.cfg.overlap_scoring else nullcontext() as scoring:
+                for member in members:
+                    if member not in known:
+                        rewards = self.evaluate_member(member, examples, sampling=sampling, scoring=scoring)
+                        if scoring is None:
+                            record(member, rewards)
+                    elif replays_members(self.cfg):
+                        replay_member(self.strategy, member, known[member])
         local = {member: known[member] for member in mine}
         gathered = gather_member_rewards(local, self.cfg.population, step) if self.dist else [local[m] for m in mine]
         self.journal.record_members(step + 1, dict(enumerate(gathered)))  # rank 0: the other ranks' members
@@ -153,14 +158,21 @@ class Trainer:
             log_table(self.wandb_run, "samples", written, step + 1)
         return self.strategy.apply_update(torch.stack(gathered))
 
-    def evaluate_member(self, member: int, examples: list[Example], *, sampling: bool = False) -> torch.Tensor:
+    def evaluate_member(self, member: int, examples: list[Example], *, sampling: bool = False,
+                        scoring: MemberScoring | None = None) -> torch.Tensor:
         """Rewards of one perturbed member; out of memory is retried with half the rollout batch when allowed.
-        At a sampling step the member also answers the sample questions (copes.run.samples)."""
+        At a sampling step the member also answers the sample questions (copes.run.samples). With `scoring`, the
+        member's trajectories are handed to it and the rewards returned here are placeholders (zeros)."""
         def fitness(model: Any) -> list[float]:
             failpoint("rollout")  # crash tests: die as the rollout starts; counted to find recomputed members
             if sampling:
                 self.sample_rollouts(model, [member])
-            rewards = self.rewards_for(model, examples)
+            if scoring is None:
+                rewards = self.rewards_for(model, examples)
+            else:
+                scoring.submit(member, roll_out(model, self.tokenizer, self.task, examples, tools=self.tools,
+                                                agent=self.agent, timer=self.timer))
+                rewards = [0.0] * len(examples)
             failpoint("member")  # crash tests: die while this member's perturbation is in the weights
             return rewards
 
