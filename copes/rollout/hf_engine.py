@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,6 +160,10 @@ class HFEngine:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         self.model, self.prefill_chunk_tokens = model, prefill_chunk_tokens
         self._states: dict[int, tuple[list[int], DynamicCache]] = {}
+        # transformers 5.x renamed forward's past_key_values to cache (the old name warns, later it goes).
+        forward = getattr(model, "forward", None)
+        renamed = forward is not None and "cache" in inspect.signature(forward).parameters
+        self._cache_argument = "cache" if renamed else "past_key_values"
 
     def start_rollout(self) -> None:
         """The weights may have changed: every row's cache was computed under the old ones."""
@@ -231,8 +236,8 @@ class HFEngine:
 
     def _forward(self, input_ids: torch.Tensor, cache: DynamicCache, positions: torch.Tensor,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
-        output = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                            use_cache=True, logits_to_keep=1)
+        output = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            logits_to_keep=1, **{self._cache_argument: cache})
         return output.logits[:, -1]
 
     def _prefill(self, row: _Row, context: RowContext) -> torch.Tensor:
