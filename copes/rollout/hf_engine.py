@@ -203,6 +203,8 @@ class HFEngine:
                      remember: bool = False, row_context: RowContext | None = None) -> list[list[int]]:
         """The new token ids of each prompt (token ids): a row ends at a token of `eos`, when `ends_on_stop`
         says so, or at its limit. With `remember`, rows keyed `keys` reuse and keep their caches."""
+        if not all(prompts):
+            raise ValueError("every prompt needs at least one token: its last position's logits start the row")
         picker = picker or Picker()
         keys = keys if keys is not None else list(range(len(prompts)))
         context = row_context or (lambda indices: contextlib.nullcontext())

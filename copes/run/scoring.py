@@ -78,7 +78,8 @@ def roll_out(
 class MemberScoring:
     """Scores members' trajectories on one background thread, in submission order; `record(member, rewards)`
     (float64 [Q], as the strategies return them) runs on that thread as each member's scores are ready. Leaving
-    the `with` block waits for every submitted member and raises the first scoring error."""
+    the `with` block waits for every submitted member and raises the first scoring error (unless the block itself
+    raised)."""
 
     def __init__(self, task: Task, examples: Sequence[Example], record: Callable[[int, torch.Tensor], None]) -> None:
         self.task, self.examples, self.record = task, list(examples), record
@@ -95,10 +96,11 @@ class MemberScoring:
     def __enter__(self) -> MemberScoring:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, error_type: type[BaseException] | None, *rest: object) -> None:
         try:
             for pending in self._pending:
-                pending.result()
+                if error_type is None:  # an error already leaving the block is the one to report
+                    pending.result()
         finally:
             self._pool.shutdown(wait=True)
 
