@@ -1,6 +1,7 @@
-"""Rollout engines side by side: Hugging Face `generate` vs vLLM (weights perturbed in place inside the engine),
-vLLM with plain linear weights (F.linear, as HF) and with packed ones (vLLM's oneDNN copies, repacked after each
-weight change).
+"""Rollout engines side by side: Hugging Face `generate` (the baseline: what copes' HF engine was before issue
+24), copes' HF engine (copes.rollout.hf_engine: per-row prefill, finished rows leave the batch) and vLLM (weights
+perturbed in place inside the engine), vLLM with plain linear weights (F.linear, as HF) and with packed ones
+(vLLM's oneDNN copies, repacked after each weight change).
 
 Same random ~100M-parameter Qwen3 model (built locally, saved once, loaded by every engine), same prompts, same
 lengths (every row generates exactly its number of greedy tokens: EOS is ignored on every engine), same torch
@@ -12,7 +13,7 @@ threads. Two workloads (--workloads):
                as its question and its generation as long as its reference solution (at 4 characters per token,
                the usual BPE rate; the tokens themselves are random, the model being random). Rows end at
                different lengths, as greedy rows end at EOS: HF `generate` keeps computing a finished row until
-               the batch's longest ends (so does copes' HF engine), vLLM drops it and batches the rest
+               the batch's longest ends; copes' HF engine and vLLM drop it and batch the rest
 
 Per dtype and workload it reports, best of --repeats rounds after a warm-up, the engines alternating each round:
 
@@ -26,9 +27,10 @@ The reward of a member is the mean id of its generated tokens: continuous, so ev
 
     python bench/rollout_engines.py                  # fp32 and bf16, both workloads, 1 thread
     python bench/rollout_engines.py --threads 2 --dtypes float32 --workloads uniform
+    python bench/rollout_engines.py --engines        # no vLLM: HF generate vs copes' HF engine only
 
-Needs vLLM (pip install -e ".[vllm]", see the README) and GSM8K in ../shared/data (or $COPES_DATA_DIR) for the
-gsm8k workload. Writes results/rollout_engines_<device>.csv.
+Needs vLLM for the vllm engines (pip install -e ".[vllm]", see the README) and GSM8K in ../shared/data (or
+$COPES_DATA_DIR) for the gsm8k workload. Writes results/rollout_engines_<device>.csv.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 import copes
 from copes.modeling import EMBEDDED_MODEL_DIR, load_model
-from copes.rollout.engine import engine_for, load_rollout_model
+from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
 from copes.tasks import get_task
 
 ModelShape = dict[str, int]
@@ -116,6 +118,12 @@ def hf_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tensor]
     return [row[width:width + length] for row, length in zip(sequences, workload.new_tokens)]
 
 
+def hf_engine_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tensor]:
+    # No EOS: every row generates exactly its length, as on the other engines.
+    new_ids = HFEngine(model).generate_ids(workload.prompts, workload.new_tokens, eos=set())
+    return [torch.tensor(ids) for ids in new_ids]
+
+
 def vllm_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tensor]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -153,7 +161,8 @@ def copes_step(model: torch.nn.Module, rollout: Rollout, workload: Workload, pop
 
 def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int) -> list[dict[str, object]]:
     hf_model, _, _ = load_model(str(folder), device="cpu", dtype=dtype)
-    engines: dict[str, tuple[torch.nn.Module, Rollout]] = {"hf": (hf_model, hf_rollout)}
+    engines: dict[str, tuple[torch.nn.Module, Rollout]] = {"hf": (hf_model, hf_rollout),
+                                                           "hf-engine": (hf_model, hf_engine_rollout)}
     for weights in [engine.removeprefix("vllm-") for engine in args.engines]:
         views, _, _ = load_rollout_model(str(folder), engine="vllm", device="cpu", dtype=dtype, cpu_threads=args.threads,
                                          kv_cache_gib=args.kv_cache_gib, vllm_cpu_weights=weights)
@@ -161,10 +170,14 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
     torch.set_num_threads(args.threads)
     rows = []
     for workload in [build_workload(name, args, vocab_size) for name in args.workloads]:
+        baseline = hf_rollout(hf_model, workload)  # the rows each engine must reproduce (greedy, EOS ignored)
+        same_rows = {name: sum(torch.equal(a, b) for a, b in zip(baseline, rollout(model, workload)))
+                     for name, (model, rollout) in engines.items()}
         generate = alternating_best_seconds(
-            {name: (lambda m=m, r=r: r(m, workload)) for name, (m, r) in engines.items()}, args.repeats)
-        phases: dict[str, dict[str, float]] = {name: {} for name in engines}
-        step = alternating_best_seconds(
+            {name: (lambda m=m, r=r: r(m, workload)) for name, (m, r) in engines.items()}, args.repeats,
+            clock=time.thread_time if args.cpu_clock else time.perf_counter)
+        phases: dict[str, dict[str, float]] = {name: {"perturb_restore": None, "repack": None} for name in engines}
+        step = dict.fromkeys(engines) if args.no_step else alternating_best_seconds(
             {name: (lambda m=m, r=r, p=phases[name]: copes_step(m, r, workload, args.population, p))
              for name, (m, r) in engines.items()}, args.repeats)
         for name in engines:
@@ -173,8 +186,9 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
                 "prompts": len(workload.prompts), "generated_tokens": sum(workload.new_tokens),
                 "longest": max(workload.new_tokens), "tokens_per_s": sum(workload.new_tokens) / generate[name],
                 "vs_hf_tokens": generate["hf"] / generate[name], "step_s": step[name],
-                "vs_hf_step": step["hf"] / step[name], "perturb_restore_s": phases[name]["perturb_restore"],
-                "repack_s": phases[name]["repack"],
+                "vs_hf_step": None if args.no_step else step["hf"] / step[name],
+                "perturb_restore_s": phases[name]["perturb_restore"],
+                "repack_s": phases[name]["repack"], "rows_equal_to_hf": same_rows[name],
             })
     return rows
 
@@ -182,8 +196,8 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--engines", nargs="+", default=list(VLLM_ENGINES), choices=VLLM_ENGINES,
-                        help="the vLLM engines measured beside hf")
+    parser.add_argument("--engines", nargs="*", default=list(VLLM_ENGINES), choices=VLLM_ENGINES,
+                        help="the vLLM engines measured beside hf and hf-engine (none: HF only)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
                         help="uniform: every row the same lengths; gsm8k: GSM8K's ragged lengths")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
@@ -192,6 +206,9 @@ def main() -> None:
     # new tokens half of the timed work would be the prompts' prefill.
     parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt (uniform workload)")
     parser.add_argument("--population", type=int, default=2, help="members of the timed CoPES step (K=2)")
+    parser.add_argument("--no-step", action="store_true", help="time generation only, not the CoPES step")
+    parser.add_argument("--cpu-clock", action="store_true",
+                        help="time generation by this thread's CPU time (a crowded machine, --threads 1, no vLLM)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for every engine")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best kept) after one warm-up")
     parser.add_argument("--kv-cache-gib", type=float, default=0.5, help="the vLLM engine's KV cache")
@@ -201,7 +218,7 @@ def main() -> None:
         parameters = build_model_folder(Path(folder), MODEL_SHAPE)
         vocab_size = Qwen3Config.from_pretrained(folder).vocab_size
         rows = [row for dtype in args.dtypes for row in measure(Path(folder), dtype, args, vocab_size)]
-    report("rollout_engines", rows, f"hf vs {', '.join(args.engines)} rollouts, random Qwen3 of {parameters / 1e6:.1f}M parameters; "
+    report("rollout_engines", rows, f"hf vs {', '.join(['hf-engine', *args.engines])} rollouts, random Qwen3 of {parameters / 1e6:.1f}M parameters; "
                                     f"{machine_note()}; {time.perf_counter() - started:.0f}s")
 
 

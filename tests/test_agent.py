@@ -314,7 +314,8 @@ def test_tiny_model_end_to_end_with_real_tools(model, tokenizer, gsm8k_questions
     log = RowLog()
     config = AgentConfig.for_kind("math", max_new_tokens=12, max_turns=2)
     trajectories = run_agent(model, tokenizer, gsm8k_questions, tools=hotpotqa_tools, config=config, row_context=log)
-    assert log.batches[0] == [0, 1, 2, 3]
+    # Each row is prefilled on its own (no padding), then the four decode together.
+    assert log.batches[:5] == [[0], [1], [2], [3], [0, 1, 2, 3]]
     # The first turn is exactly a plain batched generation of the rendered prompts.
     first_turns = generate_batch(
         model, tokenizer, [t.prompt for t in trajectories], max_new_tokens=12, stop_strings=["</tool_call>"]

@@ -8,7 +8,10 @@ import pytest
 import torch
 from tiny_models import build_tiny_checkpoint, build_tiny_tokenizer, load_checkpoint, tiny_qwen3
 
+from copes.es.strategies import EGGROLL
+from copes.modeling import load_model
 from copes.rollout.generate import Generation, generate_batch, prompt_token_counts
+from copes.rollout.hf_engine import HFEngine
 from copes.rollout.templates import (
     ParsedCall,
     parse_tool_calls,
@@ -321,8 +324,6 @@ def test_parse_tag_calls_in_text_order(tools):
 def test_stop_strings_work_with_a_tokenizer_stop_string_criteria_cannot_preprocess():
     """The embedded tiny model's character vocabulary breaks transformers' StopStringCriteria ("substring not
     found"); stop strings still stop each row and cut its text there, as they do with a byte-level vocabulary."""
-    from copes.modeling import load_model
-
     tiny, tiny_tokenizer, _ = load_model("tiny", device="cpu", dtype="float32")
     prompts = ["12+7=", "305-49=", "8+8=", "77-9="]
     full = generate_batch(tiny, tiny_tokenizer, prompts, max_new_tokens=6)
@@ -334,3 +335,174 @@ def test_stop_strings_work_with_a_tokenizer_stop_string_criteria_cannot_preproce
         else:
             assert cut == whole
     assert any(g.finished_by == "stop" for g in stopped)
+
+
+# ---------------------------------------------------------------- the HF engine (copes.rollout.hf_engine)
+
+
+def tiny_qwen35(tokenizer, *, seed: int = 0):
+    """A random Qwen3.5 (three gated delta-net layers, then one attention layer) sized to `tokenizer`."""
+    from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, tie_word_embeddings=True, max_position_embeddings=4096, initializer_range=0.2,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3_5ForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id], pad_token_id=tokenizer.pad_token_id
+    )
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
+def lm(request, model, tokenizer):
+    """The tiny Qwen3 (attention KV) and the tiny Qwen3.5 (recurrent state + attention)."""
+    return model if request.param == "qwen3" else tiny_qwen35(tokenizer)
+
+
+class ForwardPositions:
+    """Counts the input positions of every forward of a model (a forward pre-hook summing input_ids' sizes)."""
+
+    def __init__(self, model) -> None:
+        self.positions: list[int] = []
+        self.widths: list[int] = []  # positions per row
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        self.positions.append(kwargs["input_ids"].numel())
+        self.widths.append(kwargs["input_ids"].shape[1])
+
+    def since(self, mark: int) -> int:
+        return sum(self.positions[mark:])
+
+
+def _clean_stop(text: str) -> str:
+    """Four characters of `text` that decode cleanly (no partial byte), at their first occurrence."""
+    start = next(i for i in range(len(text) - 4) if "\ufffd" not in text[i : i + 4] and text[i : i + 4].strip())
+    return text[start : start + 4]
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    """The embedded model's character-level tokenizer: every text has one tokenization, so a re-tokenized
+    context always extends the tokens a row's cache holds, and the counts below are exact."""
+    return load_model("tiny", device="cpu", dtype="float32")[1]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
+def char_lm(request, char_tokenizer):
+    build = tiny_qwen3 if request.param == "qwen3" else tiny_qwen35
+    return build(char_tokenizer, seed=1)
+
+
+def _stopping_turn(engine, lm, tokenizer, prompt: str, row: int):
+    """A first turn that ends on a stop string (as a tool call does), and that stop string."""
+    full = generate_batch(lm, tokenizer, [prompt], max_new_tokens=12)[0].text
+    stop = full[4:6]
+    (first,) = engine.generate(tokenizer, [prompt], max_new_tokens=12, stop_strings=[stop], rows=[row])
+    assert first.finished_by == "stop"
+    return first, stop
+
+
+def test_hf_engine_gives_generate_batch_greedy_tokens_with_chunked_prefill(lm, tokenizer):
+    engine = HFEngine(lm, prefill_chunk_tokens=3)
+    counter = ForwardPositions(lm)
+    limits = [12, 5, 20, 9]
+    generations = engine.generate(tokenizer, PROMPTS, max_new_tokens=limits)
+    assert max(counter.widths) == 3  # no forward ran more than one chunk of prompt positions
+    assert generations == generate_batch(lm, tokenizer, PROMPTS, max_new_tokens=limits)
+    full = generate_batch(lm, tokenizer, PROMPTS, max_new_tokens=16)
+    stops = [_clean_stop(full[2].text), "</python>"]
+    stopped = engine.generate(tokenizer, PROMPTS, max_new_tokens=16, stop_strings=stops)
+    assert stopped == generate_batch(lm, tokenizer, PROMPTS, max_new_tokens=16, stop_strings=stops)
+    assert stopped[2].finished_by == "stop"
+
+
+def test_hf_engine_on_the_embedded_model_gives_generate_batch_greedy_tokens():
+    tiny, tiny_tokenizer, _ = load_model("tiny", device="cpu", dtype="float32")
+    prompts = ["12+7=", "305-49=", "8+8=", "77-9=", "1000-999="]
+    limits = [6, 2, 9, 4, 7]
+    reference = generate_batch(tiny, tiny_tokenizer, prompts, max_new_tokens=limits)
+    assert HFEngine(tiny, prefill_chunk_tokens=2).generate(tiny_tokenizer, prompts, max_new_tokens=limits) == reference
+
+
+def test_a_second_turn_prefills_only_its_new_tokens(char_lm, char_tokenizer):
+    engine, counter = HFEngine(char_lm), ForwardPositions(char_lm)
+    prompt = "305-49=256\n12+7=19\n1000-999="
+    engine.start_rollout()
+    first, stop = _stopping_turn(engine, char_lm, char_tokenizer, prompt, row=0)
+    context = prompt + first.text + "\n=24\n8*3="  # an observation and the next prompt
+    mark = len(counter.positions)
+    (second,) = engine.generate(char_tokenizer, [context], max_new_tokens=10, stop_strings=[stop], rows=[0])
+    prefilled = counter.since(mark) - (second.num_tokens - 1)  # each later forward decodes one position
+    first_len, context_len = prompt_token_counts(char_tokenizer, [prompt, context])
+    # The cache holds the prompt and every generated token but the last, which was never fed.
+    assert prefilled == context_len - (first_len + first.num_tokens - 1)
+    assert second == generate_batch(char_lm, char_tokenizer, [context], max_new_tokens=10, stop_strings=[stop])[0]
+    # A new rollout forgets every row: the same call prefills the whole context.
+    engine.start_rollout()
+    mark = len(counter.positions)
+    assert engine.generate(char_tokenizer, [context], max_new_tokens=10, stop_strings=[stop], rows=[0]) == [second]
+    assert counter.since(mark) - (second.num_tokens - 1) == context_len
+
+
+def test_finished_rows_stop_costing_compute(lm, tokenizer):
+    counter = ForwardPositions(lm)
+    limits = [2, 25, 9, 4]
+    generations = HFEngine(lm).generate(tokenizer, PROMPTS, max_new_tokens=limits)
+    assert [g.num_tokens for g in generations] == limits
+    # Each prompt once, then one position per row per token it still needs: no padding, no finished row.
+    assert sum(counter.positions) == sum(prompt_token_counts(tokenizer, PROMPTS)) + sum(limit - 1 for limit in limits)
+
+
+def test_a_context_that_does_not_extend_the_cache(char_lm, char_tokenizer):
+    """Attention KV is cropped to the common prefix; a recurrent state cannot be, so the row prefills afresh."""
+    engine, counter = HFEngine(char_lm), ForwardPositions(char_lm)
+    prompt = "305-49=256\n12+7=19\n1000-999="
+    first, _ = _stopping_turn(engine, char_lm, char_tokenizer, prompt, row=3)
+    edited = prompt[:12] + "8*8=64\n" + first.text  # diverges after 12 cached tokens
+    mark = len(counter.positions)
+    (again,) = engine.generate(char_tokenizer, [edited], max_new_tokens=8, rows=[3])
+    prefilled, whole = counter.since(mark) - (again.num_tokens - 1), prompt_token_counts(char_tokenizer, [edited])[0]
+    assert prefilled == (whole if char_lm.config.model_type == "qwen3_5_text" else whole - 12)
+    assert again == generate_batch(char_lm, char_tokenizer, [edited], max_new_tokens=8)[0]
+
+
+def test_hf_engine_sampling_is_seeded_and_leaves_the_global_rng_alone(model, tokenizer):
+    engine = HFEngine(model)
+    sample = {"max_new_tokens": 12, "greedy": False, "temperature": 1.5, "top_p": 0.9}
+    torch.manual_seed(5)
+    expected_next = torch.rand(2)
+    torch.manual_seed(5)
+    first = engine.generate(tokenizer, PROMPTS, seed=3, **sample)
+    assert torch.equal(torch.rand(2), expected_next)
+    assert engine.generate(tokenizer, PROMPTS, seed=3, **sample) == first
+    assert engine.generate(tokenizer, PROMPTS, seed=4, **sample) != first
+    nucleus_of_one = engine.generate(tokenizer, PROMPTS, max_new_tokens=12, greedy=False, top_p=1e-9, seed=1)
+    assert nucleus_of_one == engine.generate(tokenizer, PROMPTS, max_new_tokens=12)
+
+
+def test_hf_engine_routes_every_forward_to_its_rows_members(model, tokenizer):
+    """Under EGGROLL each forward's rows see their own member's weights: the same tokens as `generate_batch`
+    with the whole batch routed at once."""
+    es = EGGROLL(model, population=3, sigma=0.3, lr=0.01, rank=2, seed=1)
+    member_of_row = torch.tensor([2, 0, 1, 2])
+    limits = [3, 11, 6, 8]
+    outputs = {}
+
+    def fitness(m, row_members):
+        context = lambda rows: row_members(member_of_row[rows])  # noqa: E731
+        outputs["engine"] = HFEngine(m).generate(tokenizer, PROMPTS, max_new_tokens=limits, rows=[0, 1, 2, 3],
+                                                 row_context=context)
+        with row_members(member_of_row):
+            outputs["reference"] = generate_batch(m, tokenizer, PROMPTS, max_new_tokens=limits)
+        return torch.zeros(3)
+
+    es.evaluate(fitness)
+    assert outputs["engine"] == outputs["reference"]
+    assert outputs["engine"] != generate_batch(model, tokenizer, PROMPTS, max_new_tokens=limits)

@@ -3,13 +3,16 @@ called a tool, until each row answers or runs out of turns, tokens or context.
 
 Per turn:
 1. Count each active row's context; a row with no room left ends here (truncated).
-2. Generate for the remaining rows in batches (order = row order), each batch inside `row_context(indices)`.
+2. Generate for the remaining rows in batches (order = row order); the engine enters `row_context(indices)` around
+   the forwards that compute those rows (the HF engine per forward, with that forward's rows).
 3. A row that stopped on a tool call gets its calls parsed and run (per-tool budgets per row; a malformed,
    unknown or over-budget call gets an error observation instead), the results are appended through the
    chat template (or as `<result>` blocks in the tag format), and the row stays active.
    A row that stopped on EOS or its token limit is finished.
 
-Everything is text: the context of a row is its prompt plus its completion so far, re-tokenized each turn.
+Everything is text: the context of a row is its prompt plus its completion so far, re-tokenized each turn; each
+batch row is named to the engine by its index, so an engine may keep the row's cache from its previous turn and
+prefill only the tokens the turn added (copes.rollout.hf_engine).
 So tool output is untrusted text: every observation has its chat-markup strings neutralized (a printed
 `<|im_end|><|im_start|>user` stays plain text, never special tokens) and is clipped to `max_observation_tokens`;
 `Trajectory.model_spans` says which parts of the completion the model generated, the only parts rewards read.
@@ -18,9 +21,8 @@ Nothing here raises on model output; limits end rows, they never end the run.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,6 +31,7 @@ import numpy as np
 
 from copes.rollout.engine import engine_for
 from copes.rollout.generate import Generation, prompt_token_counts
+from copes.rollout.hf_engine import RowContext
 from copes.rollout.templates import (
     TOOL_FORMATS,
     ParsedCall,
@@ -45,7 +48,6 @@ from copes.tools import Tool
 # Tool budgets per row from the paper: math gets 3 searches + 5 Python runs, multi-hop QA 5 + 5.
 BUDGETS_BY_KIND = {"math": {"python": 5, "search": 3}, "qa": {"python": 5, "search": 5}}
 
-RowContext = Callable[[list[int]], contextlib.AbstractContextManager[Any]]
 
 
 @dataclass
@@ -241,8 +243,8 @@ def run_agent(
     """Roll out every user prompt, one trajectory per prompt in the same order.
 
     `chat=False` feeds the raw prompt text for a single turn without tools (the synthetic task).
-    `row_context(indices)` wraps every generate call; `indices` are the positions in `user_prompts` of that
-    batch's rows, in batch order.
+    `row_context(indices)` wraps every forward (or, on an engine that runs a batch at once, every generate call);
+    `indices` are the positions in `user_prompts` of that forward's rows, in batch order.
     """
     if not chat and (tools or system_prompt is not None):
         raise ValueError("chat=False runs raw prompts for a single turn: pass no tools and no system_prompt")
@@ -258,7 +260,6 @@ def run_agent(
         for prompt in _initial_prompts(tokenizer, user_prompts, tools, fmt, system_prompt, chat, config)
     ]
     calls_made: list[Counter[str]] = [Counter() for _ in trajectories]
-    row_context = row_context or (lambda indices: contextlib.nullcontext())
     max_turns = config.max_turns if chat else 1
     engine = engine_for(model)
     engine.start_rollout()
@@ -280,17 +281,18 @@ def run_agent(
         generations: dict[int, Generation] = {}
         for start in range(0, len(ready), size):
             batch = ready[start : start + size]
-            with row_context(batch):
-                outputs = engine.generate(
-                    tokenizer,
-                    [trajectories[index].context for index in batch],
-                    max_new_tokens=[limits[index] for index in batch],
-                    greedy=config.greedy,
-                    temperature=config.temperature,
-                    top_p=config.top_p,
-                    stop_strings=stop_strings,
-                    seed=None if seed is None else derive_seed(seed, turn, batch[0]),
-                )
+            outputs = engine.generate(
+                tokenizer,
+                [trajectories[index].context for index in batch],
+                max_new_tokens=[limits[index] for index in batch],
+                greedy=config.greedy,
+                temperature=config.temperature,
+                top_p=config.top_p,
+                stop_strings=stop_strings,
+                seed=None if seed is None else derive_seed(seed, turn, batch[0]),
+                rows=batch,
+                row_context=row_context,
+            )
             generations.update(zip(batch, outputs))
 
         calling = [index for index in ready if generations[index].finished_by == "stop"]

@@ -1,6 +1,7 @@
 """Rollout engines: what generates a batch of chat turns (stop strings, per-row token limits) into `Generation`s.
 
-    hf    Hugging Face `generate` on the model the trainer holds (the default and the reference)
+    hf    the model the trainer holds, on its own forward: each row's cache kept across turns, chunked prefill,
+          finished rows dropped (copes.rollout.hf_engine; `generate_batch` is its reference)
     vllm  a vLLM engine that owns the weights; the trainer holds HF-named views of them (copes.rollout.vllm_engine)
 
 Everything above (the agent loop, tools, rewards, evaluation, the strategies) is unchanged: it passes `model`
@@ -16,29 +17,20 @@ import torch
 
 from copes.choices import ROLLOUT_ENGINES
 from copes.modeling import load_model
-from copes.rollout.generate import Generation, generate_batch
+from copes.rollout.generate import Generation
+from copes.rollout.hf_engine import HFEngine, RowContext
 
 
 class RolloutEngine(Protocol):
     def start_rollout(self) -> None:
         """A new rollout begins: the weights may differ from the previous rollout's."""
 
-    def generate(self, tokenizer: Any, prompts: list[str], **options: Any) -> list[Generation]:
+    def generate(self, tokenizer: Any, prompts: list[str], *, rows: list[int] | None = None,
+                 row_context: RowContext | None = None, **options: Any) -> list[Generation]:
         """Continue every prompt, results in prompt order: the contract and keyword options of `generate_batch`
-        (max_new_tokens, one or per row; greedy, temperature, top_p; stop_strings; seed)."""
-
-
-class HFEngine:
-    """Hugging Face `generate` on `model` (any object `generate_batch` accepts)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def start_rollout(self) -> None:
-        """`generate` keeps no state between calls."""
-
-    def generate(self, tokenizer: Any, prompts: list[str], **options: Any) -> list[Generation]:
-        return generate_batch(self.model, tokenizer, prompts, **options)
+        (max_new_tokens, one or per row; greedy, temperature, top_p; stop_strings; seed). `rows` names each
+        prompt's row of the rollout (an engine may keep a row's state for its next turn); `row_context(rows)`
+        wraps the forwards that compute those rows (an engine that batches differently calls it per forward)."""
 
 
 # The attribute naming a model's engine: the model and its engine are one object graph, collected together.

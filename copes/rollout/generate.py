@@ -61,7 +61,7 @@ class _DecodedStopStrings(StoppingCriteria):
         return torch.tensor(stopped, dtype=torch.bool, device=input_ids.device)
 
 
-def _stop_criterion(tokenizer: Any, stop_strings: Sequence[str], prompt_width: int) -> StoppingCriteria:
+def stop_criterion(tokenizer: Any, stop_strings: Sequence[str], prompt_width: int) -> StoppingCriteria:
     by_strings = _STOP_CRITERIA.setdefault(tokenizer, {})
     key = (len(tokenizer), tuple(stop_strings))  # the vocabulary size changes when tokens are added
     if key not in by_strings:
@@ -154,7 +154,7 @@ def _generate_chunk(
     if min(limits) < max(limits):
         criteria.append(_RowTokenLimit(width, torch.tensor(limits, device=model.device)))
     if stop_strings:
-        criteria.append(_stop_criterion(tokenizer, stop_strings, width))
+        criteria.append(stop_criterion(tokenizer, stop_strings, width))
     with torch.inference_mode():
         sequences = model.generate(
             input_ids=encoded["input_ids"],

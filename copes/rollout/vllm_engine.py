@@ -225,9 +225,11 @@ class VLLMEngine:
 
     def generate(self, tokenizer: Any, prompts: list[str], *, max_new_tokens: int | Sequence[int], greedy: bool = True,
                  temperature: float = 1.0, top_p: float = 1.0, stop_strings: Sequence[str] = (),
-                 seed: int | None = None) -> list[Generation]:
+                 seed: int | None = None, rows: Sequence[int] | None = None,
+                 row_context: Any = None) -> list[Generation]:
         """`generate_batch`'s contract on vLLM: the same prompt tokens, the same stop and EOS rules (each row is
-        finished by `finish_row` from its token ids), per-row limits. Sampling draws vLLM's own random numbers."""
+        finished by `finish_row` from its token ids), per-row limits. Sampling draws vLLM's own random numbers.
+        `rows` is not needed (the prefix cache finds a row's earlier turns by content); `row_context` wraps the call."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -250,7 +252,8 @@ class VLLMEngine:
                 stop_token_ids=[*eos, pad], ignore_eos=False, skip_special_tokens=False,
             ))
         self.repack_changed_weights()
-        with self.packed_convs.during_generation():
+        keys = list(rows) if rows is not None else list(range(len(prompts)))
+        with self.packed_convs.during_generation(), (row_context(keys) if row_context else contextlib.nullcontext()):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         eos_set = set(eos)
         return [

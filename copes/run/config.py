@@ -66,6 +66,8 @@ class TrainConfig:
     max_new_tokens: int = _opt(1024, "tokens generated per turn")
     rollout_batch: int | None = _opt(None, "rows per generate call (default: the whole prompt batch at once)")
     oom_retry: bool = _opt(False, "on out-of-memory, retry the member with half the rollout batch instead of stopping")
+    overlap_scoring: bool = _opt(False, "score each member's rollouts on a background thread while the next member "
+                                 "generates (the same rewards and journal; a kill may then lose two members, not one)")
     max_turns: int = _opt(8, "agent turns per question (tool calls need turns)")
     max_context_tokens: int = _opt(131072, "hard cap on prompt + generated tokens per question (paper: 128K)")
     tools: bool = _opt(True, "let the agent call the Python sandbox and search (where the task supports them)")

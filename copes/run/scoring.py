@@ -3,11 +3,16 @@ step of held-out evaluation, `copes.run.evaluation`).
 
 CoPES calls this once per member (the member's perturbation is in the weights); EGGROLL once for the whole
 population, each question repeated per member and every batch row mapped to its member through `row_members`.
+
+`MemberScoring` takes rewards off the critical path of the per-member loop: a member's trajectories are scored on
+one background thread (math-verify runs in its own worker pool, so that thread mostly waits) while the next member
+generates; each member's rewards reach `record` in submission order, the same values as scoring in line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -36,6 +41,26 @@ def rollouts(
 ) -> list[list[tuple[Trajectory, Score]]]:
     """Roll out and score `examples`: one list of (trajectory, score) per question, per member of `members` (a
     batched population, rows routed through `row_members`), or a single list without members."""
+    trajectories = roll_out(model, tokenizer, task, examples, tools=tools, agent=agent, timer=timer, members=members,
+                            row_members=row_members)
+    copies = len(members) if members is not None else 1
+    scored = list(zip(trajectories, score_rollouts(task, list(examples) * copies, trajectories)))
+    return [scored[i * len(examples) : (i + 1) * len(examples)] for i in range(copies)]
+
+
+def roll_out(
+    model: Any,
+    tokenizer: Any,
+    task: Task,
+    examples: Sequence[Example],
+    *,
+    tools: Sequence[Any],
+    agent: AgentConfig,
+    timer: PhaseTimer,
+    members: Sequence[int] | None = None,
+    row_members: Any = None,
+) -> list[Trajectory]:
+    """The trajectories of `rollouts`, unscored: every question once per member (or once), in that order."""
     prompts = [task.prompt(example) for example in examples]
     copies = len(members) if members is not None else 1
     row_context = None
@@ -48,6 +73,35 @@ def rollouts(
                                  config=agent, chat=task.chat, row_context=row_context,
                                  system_prompt=getattr(task, "system_prompt", None))
     timer.add("generate", -(timer.seconds["tools"] - tools_seconds_before))  # tool time is reported on its own
-    scored = list(zip(trajectories, score_rollouts(task, list(examples) * copies, trajectories)))
-    return [scored[i * len(prompts) : (i + 1) * len(prompts)] for i in range(copies)]
+    return trajectories
+
+
+class MemberScoring:
+    """Scores members' trajectories on one background thread, in submission order; `record(member, rewards)`
+    (float64 [Q], as the strategies return them) runs on that thread as each member's scores are ready. Leaving
+    the `with` block waits for every submitted member and raises the first scoring error (unless the block itself
+    raised)."""
+
+    def __init__(self, task: Task, examples: Sequence[Example], record: Callable[[int, torch.Tensor], None]) -> None:
+        self.task, self.examples, self.record = task, list(examples), record
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="copes-scoring")
+        self._pending: list[Future[None]] = []
+
+    def submit(self, member: int, trajectories: Sequence[Trajectory]) -> None:
+        self._pending.append(self._pool.submit(self._score, member, list(trajectories)))
+
+    def _score(self, member: int, trajectories: list[Trajectory]) -> None:
+        scores = score_rollouts(self.task, self.examples, trajectories)
+        self.record(member, torch.tensor([score.reward for score in scores], dtype=torch.float64))
+
+    def __enter__(self) -> MemberScoring:
+        return self
+
+    def __exit__(self, error_type: type[BaseException] | None, *rest: object) -> None:
+        try:
+            for pending in self._pending:
+                if error_type is None:  # an error already leaving the block is the one to report
+                    pending.result()
+        finally:
+            self._pool.shutdown(wait=True)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from copes.run.evaluation import evaluate
 from copes.run.metrics import PhaseTimer, peak_memory_bytes, progress_bar, zero_update_warning
 from copes.run.record import RunRecord
 from copes.run.replay import replay_member, replays_members
-from copes.run.scoring import rollouts
+from copes.run.scoring import MemberScoring, roll_out, rollouts
 from copes.tasks import Example
 
 
@@ -95,24 +96,38 @@ class Trainer:
                 scored = {**{m: r.to(torch.float64) for m, r in zip(mine, fresh)}, **scored}
                 journal.record_members(step, {m: scored[m] for m in mine})
             return {m: scored[m] for m in mine}
+        def journaled(member: int, rewards: torch.Tensor) -> None:
+            scored[member] = rewards.to(torch.float64)
+            journal.record_members(step, {member: scored[member]})
+
         self.strategy.plan()
-        for member in progress_bar(mine, desc=f"step {step} members", leave=False, nested=True,
-                                   enabled=self.progress and self.is_main):
-            if member not in scored:
-                scored[member] = self.evaluate_member(member, examples, sampling=sampling).to(torch.float64)
-                journal.record_members(step, {member: scored[member]})
-            elif replays_members(self.cfg):
-                replay_member(self.strategy, member, scored[member])
+        # --overlap-scoring: a member is scored (and journaled) on a background thread while the next one generates.
+        with MemberScoring(self.task, examples, journaled) if self.cfg.overlap_scoring else nullcontext() as scoring:
+            for member in progress_bar(mine, desc=f"step {step} members", leave=False, nested=True,
+                                       enabled=self.progress and self.is_main):
+                if member not in scored:
+                    rewards = self.evaluate_member(member, examples, sampling=sampling, scoring=scoring)
+                    if scoring is None:
+                        journaled(member, rewards)
+                elif replays_members(self.cfg):
+                    replay_member(self.strategy, member, scored[member])
         return {m: scored[m] for m in mine}
 
-    def evaluate_member(self, member: int, examples: list[Example], *, sampling: bool = False) -> torch.Tensor:
+    def evaluate_member(self, member: int, examples: list[Example], *, sampling: bool = False,
+                        scoring: MemberScoring | None = None) -> torch.Tensor:
         """Rewards of one perturbed member; out of memory is retried with half the rollout batch when allowed.
-        At a sampling step the member also answers the sample questions (copes.run.samples)."""
+        At a sampling step the member also answers the sample questions (copes.run.samples). With `scoring`, the
+        member's trajectories are handed to it and the rewards returned here are placeholders (zeros)."""
         def fitness(model: Any) -> list[float]:
             failpoint("rollout")  # crash tests: die as the rollout starts; counted to find recomputed members
             if sampling:
                 self.sample_rollouts(model, [member])
-            rewards = self.rewards_for(model, examples)
+            if scoring is None:
+                rewards = self.rewards_for(model, examples)
+            else:
+                scoring.submit(member, roll_out(model, self.tokenizer, self.task, examples, tools=self.tools,
+                                                agent=self.agent, timer=self.timer))
+                rewards = [0.0] * len(examples)
             failpoint("member")  # crash tests: die while this member's perturbation is in the weights
             return rewards
 
