@@ -53,6 +53,10 @@ class TrainConfig:
     prompt_batch: int = _opt(64, "questions per step, shared by every member (paper: 64)")
     max_new_tokens: int = _opt(1024, "tokens generated per turn")
     rollout_batch: int | None = _opt(None, "rows per generate call (default: the whole prompt batch at once)")
+    plan: bool = _opt(False, "print the memory plan (weights, backups, optimizer state, KV and delta-net state, "
+                             "activations per row) for the device and exit; needs only the model's config.json")
+    device_memory_gib: float | None = _opt(None, "the device memory the plan budgets, in GiB (default: the device's "
+                                                 "free memory, or 24 when no device is visible)")
     oom_retry: bool = _opt(False, "on out-of-memory, retry the member with half the rollout batch instead of stopping")
     max_turns: int = _opt(8, "agent turns per question (tool calls need turns)")
     max_context_tokens: int = _opt(131072, "hard cap on prompt + generated tokens per question (paper: 128K)")
@@ -154,6 +158,8 @@ class TrainConfig:
         if self.antithetic and self.algorithm in PER_MEMBER_ALGORITHMS and (self.population // self.num_subspaces) % 2:
             raise ConfigError(f"--antithetic pairs the members of each subspace, but --population {self.population} "
                               f"gives {self.population // self.num_subspaces} per subspace (odd)")
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise ConfigError(f"--device-memory-gib must be > 0, got {self.device_memory_gib}")
         if self.budget_hours is not None and self.budget_hours <= 0:
             raise ConfigError(f"--budget-hours must be > 0, got {self.budget_hours}")
         return self

@@ -26,6 +26,7 @@ from copes.run.distributed import (barrier, broadcast_value, check_in_sync, gath
 from copes.run.evaluation import evaluate
 from copes.failpoints import failpoint
 from copes.run.journal import JournalWriter, RunJournal, build_header, journal_path
+from copes.run.plan import check_plan
 from copes.run.metrics import MetricsLog, PhaseTimer, log_table, peak_memory_bytes, plot_curves, start_wandb
 from copes.modeling import resolve_model_path
 from copes.run.replay import replay_member, replays_members, resume_run
@@ -76,6 +77,8 @@ class Trainer:
         if self.dist and cfg.rollout_engine == "vllm":  # vLLM's in-process engine would join torchrun's world group
             raise ConfigError("--rollout-engine vllm runs in one process; under torchrun use --rollout-engine hf")
         device = str(self.dist.device) if self.dist else cfg.device
+        self.plan = check_plan(cfg, device=device, uses_tools=cfg.tools and self.task.chat,
+                               say=lambda line: self.is_main and tqdm.write(line, file=sys.stderr))
         self.model, self.tokenizer, self.device = load_rollout_model(
             cfg.model, engine=cfg.rollout_engine, device=device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
             kv_cache_gib=cfg.vllm_kv_cache_gib, max_context_tokens=cfg.max_context_tokens,
@@ -83,7 +86,7 @@ class Trainer:
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.out,
                                  unsafe_sandbox=cfg.unsafe_sandbox)
         limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens,
-                      greedy=True, batch_size=cfg.rollout_batch, tool_format=cfg.tool_format,
+                      greedy=True, batch_size=cfg.rollout_batch or self.plan.batch_size, tool_format=cfg.tool_format,
                       template_kwargs=cfg.template_kwargs, max_observation_tokens=cfg.max_observation_tokens)
         self.agent = AgentConfig.for_task(self.task, **limits, **({"budgets": cfg.tool_budgets} if cfg.tool_budgets else {}))
         self.strategy = build_strategy(cfg, self.model)
