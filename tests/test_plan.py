@@ -120,9 +120,13 @@ def test_plan_names_what_to_change_when_adam_cannot_fit():
 
 
 def test_a_run_that_cannot_fit_is_refused_before_loading(tmp_path):
-    """The fixture has only a config.json: loading it would fail, so the refusal came from the plan, first."""
-    result = copes_run("--model", str(QWEN3), "--task", "gsm8k", "--optimizer", "adam", "--device", "cpu",
-                       "--device-memory-gib", "24", "--output-dir", str(tmp_path))
+    """The model's weights file is garbage: loading it would fail, so the refusal came from the plan, first."""
+    model = tmp_path / "qwen3-4b"
+    model.mkdir()
+    (model / "config.json").write_bytes((QWEN3 / "config.json").read_bytes())
+    (model / "model.safetensors").write_bytes(b"not weights")
+    result = copes_run("--model", str(model), "--task", "gsm8k", "--optimizer", "adam", "--device", "cpu",
+                       "--device-memory-gib", "24", "--output-dir", str(tmp_path / "out"))
     assert result.returncode == 2
     assert "does not fit" in result.stderr and "--optimizer sgd" in result.stderr, result.stderr
 

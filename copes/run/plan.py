@@ -429,12 +429,9 @@ def _advice(cfg: TrainConfig, plan: MemoryPlan, rows_fit: int) -> str:
 def check_plan(cfg: TrainConfig, *, device: str, uses_tools: bool, say: Any = print) -> MemoryPlan:
     """A run's start, on `device` (this rank's): say the one-line summary and refuse, before loading, what cannot
     fit. The plan's `batch_size` is the run's rows per generate call when --rollout-batch is not given."""
-    from copes.modeling import resolve_model_path
+    from copes.modeling import resolve_model_path  # a hub id becomes its cached snapshot, or a clear error
 
-    local = config_dir(cfg.model)
-    # A hub id becomes its cached snapshot, or the clear error loading would give; a folder needs no weights yet.
-    path = local if Path(local).is_dir() else resolve_model_path(cfg.model)
-    plan = plan_for(replace(cfg, device=device), uses_tools=uses_tools, model_path=path)
+    plan = plan_for(replace(cfg, device=device), uses_tools=uses_tools, model_path=resolve_model_path(cfg.model))
     say(plan.summary())
     if not plan.fits:
         raise ConfigError(f"the run does not fit in {_gib(plan.usable_bytes)} usable on {plan.device}: {plan.advice} "
