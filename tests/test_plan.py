@@ -139,3 +139,15 @@ def test_the_run_takes_the_plans_rows_per_generate_call(tmp_path):
     card = (roomy.fixed_bytes + 3.5 * roomy.row_bytes + GIB) / 0.95 / GIB  # room for 3 rows
     trainer = Trainer(build_config({**settings, "device_memory_gib": card}), progress=False)
     assert trainer.plan.rows == 3 and trainer.agent.batch_size == 3
+
+
+def test_setup_floors_match_what_the_code_uses():
+    """transformers 5.2.0 is the first wheel with models/qwen3_5 (5.1.0 has none); triton.knobs first ships in
+    triton 3.4.0; torch.autograd.graph.increment_version takes a list of tensors from torch 2.5 (2.4's
+    _increment_version takes one tensor). Checked against the released wheels."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    floors = {name: tuple(map(int, version.split("."))) for name, version in re.findall(r'"(torch|transformers|triton)>=([\d.]+)"', text)}
+    assert floors == {"torch": (2, 5), "transformers": (5, 2), "triton": (3, 4)}
+    assert "triton>=3.2" not in text
