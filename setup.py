@@ -17,6 +17,7 @@ setup(
         "numpy>=1.24",
         "numba>=0.60",  # the compiled CPU backend (copes_kernels/cpu.py): LLVM wheels, no compiler needed
         "safetensors>=0.4",
+        "accelerate>=1.0",  # transformers' device_map: a GPU model loads straight onto its device
         "transformers>=5.2",  # the first release with Qwen3.5 (transformers.models.qwen3_5)
         "tokenizers>=0.20",
         "click>=8.1",

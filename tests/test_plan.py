@@ -151,3 +151,25 @@ def test_setup_floors_match_what_the_code_uses():
     floors = {name: tuple(map(int, version.split("."))) for name, version in re.findall(r'"(torch|transformers|triton)>=([\d.]+)"', text)}
     assert floors == {"torch": (2, 5), "transformers": (5, 2), "triton": (3, 4)}
     assert "triton>=3.2" not in text
+
+
+def test_a_gpu_model_is_loaded_straight_onto_its_device(monkeypatch):
+    """The weights go from the checkpoint to the GPU through device_map, never through a whole host copy (the old
+    load read them onto the CPU, then `.to(device)`); on the CPU nothing changes. The GPU check runs it for real."""
+    import copes.modeling as modeling
+
+    asked = {}
+
+    def from_pretrained(path, **kwargs):
+        asked.update(kwargs)
+        raise OSError("recorded")
+
+    monkeypatch.setattr(modeling, "resolve_device", lambda device: torch.device(device))
+    monkeypatch.setattr(modeling.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(modeling.UserError, match="recorded"):
+        modeling.load_model("tiny", device="cuda:1", dtype="bfloat16")
+    assert asked == {"dtype": torch.bfloat16, "device_map": {"": torch.device("cuda:1")}}
+    asked.clear()
+    with pytest.raises(modeling.UserError, match="recorded"):
+        modeling.load_model("tiny", device="cpu")
+    assert asked == {"dtype": torch.float32}
