@@ -26,6 +26,7 @@ from copes.run.distributed import (barrier, broadcast_value, check_in_sync, gath
 from copes.run.evaluation import evaluate
 from copes.failpoints import failpoint
 from copes.run.journal import JournalWriter, RunJournal, build_header, journal_path
+from copes.run.budget import Budget, BudgetSpent
 from copes.run.plan import check_plan
 from copes.run.metrics import MetricsLog, PhaseTimer, log_table, peak_memory_bytes, plot_curves, start_wandb
 from copes.modeling import resolve_model_path
@@ -95,6 +96,7 @@ class Trainer:
         self.wandb_run: Any = None
         self.journal: RunJournal | None = None  # opened by resume(), or started fresh by train()
         self.saved_step: int | None = None  # the step of the newest checkpoint on disk
+        self.budget = Budget(cfg.budget_hours)  # restarted by train()
 
     def _eval_examples(self) -> list[Example]:
         if self.cfg.eval_size == 0:
@@ -145,6 +147,8 @@ class Trainer:
             members = tqdm(mine, desc=f"step {step + 1} members", leave=False, disable=not (self.progress and self.is_main))
             for member in members:
                 if member not in known:
+                    if self.dist is None:  # ranks hold different members: under torchrun, steps are the checkpoints
+                        self.budget.check()
                     rewards = self.evaluate_member(member, examples, sampling=sampling)
                     self.journal.record_members(step + 1, {member: rewards})
                 elif replays_members(self.cfg):
@@ -185,12 +189,12 @@ class Trainer:
         self.samples.add(members, per_member)
 
     def held_out(self, step: int) -> dict[str, Any]:
-        if not self.eval_set:
+        if not self.eval_set or self.budget.spent():
             return {"step": step, "accuracy": None, "reward": None}
         with self.timer("held_out"):
             result = evaluate(self.model, self.tokenizer, self.task, self.eval_set, tools=self.tools,
-                              agent_config=self.agent, progress=False)
-        record = {"step": step, "accuracy": result.accuracy, "reward": result.mean_reward}
+                              agent_config=self.agent, progress=False, deadline=self.budget.deadline)
+        record = {"step": step, "accuracy": result.accuracy, "reward": result.mean_reward, "questions": result.n_examples}
         self.evals.append(record)
         return record
 
@@ -205,8 +209,8 @@ class Trainer:
                 barrier(step)  # nobody races ahead of a checkpoint it might have to resume from
         self.saved_step = step
 
-    def over_budget(self, started: float, step: int) -> bool:
-        over = bool(self.cfg.budget_hours) and time.perf_counter() - started > self.cfg.budget_hours * 3600
+    def over_budget(self, step: int) -> bool:
+        over = self.budget.spent()
         return broadcast_value(over, step) if self.dist else over  # rank 0's clock decides for everyone
 
     def resume(self, path: str) -> None:
@@ -235,6 +239,7 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         cfg, started = self.cfg, time.perf_counter()
+        self.budget = Budget(cfg.budget_hours)
         # The high-water mark of loading (Python, torch, the model); on CPU it is ~0.5 GiB before any training.
         self.peaks_at_start = peak_memory_bytes(self.device)
         if cfg.wandb and self.is_main:
@@ -255,7 +260,11 @@ class Trainer:
         for step in bar:
             examples = [self.train_set[i] for i in batch_indices(step, cfg.prompt_batch, len(self.train_set), cfg.seed)]
             phase_before = dict(self.timer.seconds)
-            stats = self.population_step(step, examples)
+            try:
+                stats = self.population_step(step, examples)
+            except BudgetSpent:  # between members: the journal holds those scored, --resume continues the step
+                stopped_by, step = "budget", step - 1  # `step` steps are complete
+                break
             for phase, seconds in stats.phase_seconds().items():  # rollout includes generate and tools
                 self.timer.add(phase, seconds)
             record = {"step": step + 1, **{k: v for k, v in asdict(stats).items() if not k.endswith("_seconds") and k != "step"},
@@ -269,7 +278,7 @@ class Trainer:
                 check_in_sync(self.model, step + 1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 self.save(step + 1)
-            if self.over_budget(started, step + 1):
+            if self.over_budget(step + 1):
                 stopped_by = "budget"
                 break
         completed = step + 1 if cfg.steps > self.start_step else self.start_step
