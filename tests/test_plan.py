@@ -173,3 +173,11 @@ def test_a_gpu_model_is_loaded_straight_onto_its_device(monkeypatch):
     with pytest.raises(modeling.UserError, match="recorded"):
         modeling.load_model("tiny", device="cpu")
     assert asked == {"dtype": torch.float32}
+
+
+def test_the_vllm_engine_plans_its_own_kv_cache():
+    settings = {"model": str(QWEN35), "device_memory_gib": 24, **PAPER}
+    hf = plan_for(build_config(settings))
+    vllm = plan_for(build_config({**settings, "rollout_engine": "vllm", "vllm_kv_cache_gib": 6}))
+    assert {line.what: line.bytes for line in vllm.fixed}["vLLM KV cache"] == 6 * GIB
+    assert "KV cache" not in {line.what for line in vllm.per_row} and vllm.row_bytes < hf.row_bytes

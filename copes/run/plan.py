@@ -378,8 +378,14 @@ def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None, prefill_chunk_
         uses_tools = _task_uses_tools(cfg)
     rollout = rollout_shape(cfg, uses_tools, prefill_chunk_tokens)
     per_row, kind = _row_lines(shape, rollout, s)
+    fixed = _fixed_lines(cfg, shape, s)
+    if cfg.rollout_engine == "vllm":  # vLLM pages its own KV cache, of a fixed size, and masks nothing
+        per_row = [line for line in per_row if line.what not in ("KV cache", "attention mask")]
+        fixed.append(PlanLine("vLLM KV cache", int(cfg.vllm_kv_cache_gib * GIB), "--vllm-kv-cache-gib"))
+        if device == "cpu" and cfg.vllm_cpu_weights == "packed":
+            fixed.append(PlanLine("packed linear weights", shape.parameters * s, "oneDNN copies (at most the weights)"))
     size, source = card_bytes(cfg)
-    plan = MemoryPlan(device, size, source, dtype, shape, rollout, _fixed_lines(cfg, shape, s),
+    plan = MemoryPlan(device, size, source, dtype, shape, rollout, fixed,
                       _update_lines(cfg, shape, s), per_row, rows=0, rows_wanted=cfg.prompt_batch,
                       activation_kind=kind)
     room = plan.usable_bytes - plan.fixed_bytes
