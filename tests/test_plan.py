@@ -5,6 +5,7 @@ loading when they cannot fit."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from cli_runs import copes_run
 from copes.run.config import build_config
 from copes.run.plan import (GIB, kv_bytes_per_token, layer_activation_bytes_per_token, load_config, model_shape,
-                            plan_for, recurrent_bytes_per_row)
+                            plan_for, plan_json, recurrent_bytes_per_row)
 from live_bytes import LiveBytes
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -101,6 +102,8 @@ def test_qwen35_4b_with_the_papers_settings_fits_a_24gb_card():
     assert plan.fits and 1 <= plan.rows < 64, plan.table()
     assert plan.peak_bytes(plan.rows + 1) > plan.usable_bytes  # the most rows that fit
     assert plan.batch_size == plan.rows
+    as_json = json.loads(plan_json(plan))  # what the GPU check compares its measured peaks with
+    assert as_json["rows"] == plan.rows and as_json["peak_bytes"] == plan.peak_bytes()
     lines = {line.what: line.bytes for line in plan.fixed}
     assert lines["weights"] == 4_205_751_296 * 2 and lines["fp32 masters"] == lines["Adam moments"] == 0
 

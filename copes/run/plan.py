@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -216,7 +216,6 @@ class MemoryPlan:
     rows_wanted: int
     activation_kind: str
     advice: str | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int | None:
@@ -274,7 +273,6 @@ class MemoryPlan:
             f"{_gib(RESERVE_BYTES)} + {RESERVE_FRACTION:.0%} reserve",
             f"peak: fixed {_gib(self.fixed_bytes)} + max(update {_gib(self.update_bytes)}, "
             f"{self.rows} rows x {_gib(self.row_bytes)}) = {_gib(self.peak_bytes())}",
-            *self.notes,
             self.summary(),
         ]
         return "\n".join(out)
