@@ -13,11 +13,12 @@ setup(
     packages=find_packages(include=["copes", "copes.*", "copes_kernels", "copes_kernels.*"]),
     package_data={"copes": ["assets/tiny/*", "assets/*.json", "assets/*.jsonl"]},
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.5",  # increment_version of a list of tensors (copes/es/params.py)
         "numpy>=1.24",
         "numba>=0.60",  # the compiled CPU backend (copes_kernels/cpu.py): LLVM wheels, no compiler needed
         "safetensors>=0.4",
-        "transformers>=4.57",
+        "accelerate>=1.0",  # transformers' device_map: a GPU model loads straight onto its device
+        "transformers>=5.2",  # the first release with Qwen3.5 (transformers.models.qwen3_5)
         "tokenizers>=0.20",
         "click>=8.1",
         "pyyaml>=6.0",
@@ -29,7 +30,7 @@ setup(
     ],
     extras_require={
         # Triton ships with CUDA builds of torch; on CPU it only serves the interpreter-mode kernel tests.
-        "triton": ["triton>=3.2"],
+        "triton": ["triton>=3.4"],  # triton.knobs (copes_kernels/_shared.py)
         # The baselines the benchmarks compare against (bench/vs_grpo.py: TRL's GRPOTrainer).
         "bench": ["trl>=0.20"],
         # Installed by default; imported only where used (copes/extras.py), so a bare GPU image without them still
@@ -37,7 +38,7 @@ setup(
         "math": ["math-verify>=0.7"],
         "search": ["bm25s>=0.2"],
         "hub": ["datasets>=3.0"],
-        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.2", "trl>=0.20", "wandb>=0.18"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.4", "trl>=0.20", "wandb>=0.18"],
         "tensorboard": ["tensorboard>=2.15"],
         # --rollout-engine vllm on CPU (it pins torch 2.13.0+cpu and transformers 5.19; then uninstall the CUDA
         # torchvision it pulls, see the README). On a GPU machine install `vllm` itself instead.

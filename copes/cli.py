@@ -151,6 +151,11 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
         cfg = resume_config(resume, read_yaml(config_file) if config_file else {}, flags)
     else:
         cfg = _config(config_file, flags)
+    if cfg.plan:  # config.json only: works on any machine, for any --device
+        from copes.run.plan import plan_for
+
+        click.echo(plan_for(cfg).table())
+        return
     if cfg.workers > 1:
         from copes.run.distributed import launched_by_copes_run, launched_distributed
 

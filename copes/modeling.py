@@ -85,13 +85,15 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, resolved_device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        # A GPU model loads straight onto its device: no host copy of the weights first (transformers' device_map).
+        placement = {} if resolved_device.type == "cpu" else {"device_map": {"": resolved_device}}
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placement)
     except OSError as error:
         raise UserError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    lm.to(resolved_device).eval().requires_grad_(False)
+    lm.eval().requires_grad_(False)
     warn_missing_gpu_kernels(lm.config.model_type, resolved_device.type)
     return lm, tokenizer, resolved_device
 

@@ -123,3 +123,30 @@ def test_workers_under_torchrun_is_refused_in_one_line(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     assert "error: --workers starts its own ranks; under torchrun leave it at 1" in result.stderr
+
+
+def _reference_checksum(tensor: torch.Tensor) -> list[int]:
+    """[sum b, sum b^2, sum (i + 1) b] of the raw bits b, in Python integers, modulo 2^64 as signed int64."""
+    bits = tensor.detach().reshape(-1).view({2: torch.int16, 4: torch.int32}[tensor.element_size()]).tolist()
+    sums = [sum(bits), sum(b * b for b in bits), sum((i + 1) * b for i, b in enumerate(bits))]
+    return [(value + 2**63) % 2**64 - 2**63 for value in sums]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checksum_is_exact_and_order_free(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(300, 70).to(dtype)
+    expected = torch.tensor([_reference_checksum(p) for p in model.parameters()], dtype=torch.int64)
+    for slice_elements in (1 << 20, 4096, 7):  # other slicings sum in other orders: the same integers
+        assert torch.equal(weights_checksum(model, slice_elements=slice_elements), expected)
+
+
+def test_checksum_temporaries_stay_within_a_few_slices():
+    """The old checksum made three fp64 copies of each tensor (~15 GB for Qwen3.5-4B's embedding)."""
+    from live_bytes import LiveBytes
+    from copes.run.distributed import CHECKSUM_SLICE_ELEMENTS
+
+    embedding = torch.nn.Embedding(1 << 14, 1 << 10, dtype=torch.bfloat16)  # 16M elements, 32 MiB
+    with LiveBytes(embedding.parameters()) as live:
+        weights_checksum(embedding)
+    assert live.peak <= 4 * 8 * CHECKSUM_SLICE_ELEMENTS + (1 << 20) < 3 * 8 * embedding.weight.numel()

@@ -335,3 +335,29 @@ def test_streaming_slices_give_bit_identical_results(dtype, precision, restore):
         assert all(torch.equal(a, b) for a, b in zip(perturbed, results[0][0]))
         assert all(torch.equal(a, b) for a, b in zip(weights, results[0][1]))
         assert all(torch.equal(a, b) for a, b in zip(masters, results[0][2]))
+
+
+def test_sub_ulp_16bit_tensors_are_left_out_by_name():
+    """bf16 norm weights of 1.0 have an ulp of 2^-7: noise at sigma_k = 2e-3 (sigma 1e-3, K = 4) rounds away on
+    almost all their elements, so ES would see nothing and the update would random-walk them."""
+    import warnings
+
+    from copes.es.params import rounds_away_fraction
+    from copes.es.strategies import CoPES
+    from tiny_models import tiny_qwen3
+
+    model = tiny_qwen3(dtype=torch.bfloat16)
+    norm = model.model.norm.weight
+    torch.manual_seed(0)
+    noisy = (norm.float() + 2e-3 * torch.randn(norm.shape)).to(torch.bfloat16)
+    kept = float((noisy == norm).float().mean())
+    assert kept > 0.7 and abs(rounds_away_fraction(norm, 2e-3) - 0.81) < 0.01  # (erf(1.38) + erf(0.69)) / 2
+    with pytest.warns(UserWarning, match=r"not perturbing 9 16-bit tensors .*: .*model\.layers\.\*\.input_layernorm\.weight \(2\).*model\.norm\.weight"):
+        es = CoPES(model, sigma=1e-3, num_subspaces=4)
+    assert not [name for name in es.space.names if "norm" in name]
+    assert {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"} <= set(es.space.names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no notice: the user's include, or fp32 weights, keep every tensor
+        assert "model.norm.weight" in CoPES(model, sigma=1e-3, num_subspaces=4, include="*").space.names
+        fp32 = CoPES(tiny_qwen3(), sigma=1e-3, num_subspaces=4)
+        assert len(fp32.space.names) == len(list(tiny_qwen3().parameters()))

@@ -134,6 +134,37 @@ def select_parameters(
     return selected
 
 
+def rounds_away_fraction(tensor: torch.Tensor, sigma: float, slice_elements: int = 1 << 20) -> float:
+    """The expected fraction of `tensor`'s elements on which noise N(0, sigma^2) rounds back to the same value:
+    w keeps its value when the noise stays within half the gap to its neighbours above (u) and below (d), with
+    probability (erf(u / (2 sqrt(2) sigma)) + erf(d / (2 sqrt(2) sigma))) / 2. Sliced, so the temporaries stay small
+    on a large embedding."""
+    flat, total, scale = tensor.detach().reshape(-1), 0.0, 2 * math.sqrt(2) * sigma
+    for start in range(0, flat.numel(), slice_elements):
+        values = flat[start : start + slice_elements]
+        gaps = [(torch.nextafter(values, torch.full_like(values, bound)) - values).float().abs() for bound in (math.inf, -math.inf)]
+        total += float((torch.erf(gaps[0] / scale) + torch.erf(gaps[1] / scale)).sum()) / 2
+    return total / max(flat.numel(), 1)
+
+
+def sub_ulp_names(selected: Sequence[tuple[str, torch.Tensor]], sigma: float) -> list[str]:
+    """The 16-bit tensors on which perturbations of scale `sigma` round away on most elements (norm weights near 1,
+    Qwen3.5's A_log and dt_bias in bf16 at sigma_k = 2e-3): ES sees nothing of their noise, so their update would
+    be a random walk."""
+    return [name for name, tensor in selected if tensor.dtype != torch.float32 and rounds_away_fraction(tensor, sigma) > 0.5]
+
+
+def _name_groups(names: Sequence[str]) -> str:
+    """'model.layers.*.input_layernorm.weight (32), model.norm.weight': the names with layer indices folded."""
+    import re
+
+    groups: dict[str, int] = {}
+    for name in names:
+        folded = re.sub(r"\.\d+\.", ".*.", name)
+        groups[folded] = groups.get(folded, 0) + 1
+    return ", ".join(f"{group} ({count})" if count > 1 else group for group, count in groups.items())
+
+
 @dataclass(eq=False)
 class TrainableParameter:
     """One tensor ES moves. `data` shares the model's storage, so writes to it change the model."""
@@ -177,6 +208,7 @@ class ParameterSpace:
         update_precision: str = "auto",
         stream_elements: int | None = None,
         multi_tensor: bool = True,
+        sub_ulp_sigma: float | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -193,10 +225,10 @@ class ParameterSpace:
         self.restore_mode = restore
         self.update_precision = update_precision
         self.stream_elements = None if stream_elements is None else int(stream_elements)
-        self.parameters = [
-            self._make_parameter(name, param.detach(), tensor_id_for(name))
-            for name, param in select_parameters(model, include, exclude, names)
-        ]
+        selected = select_parameters(model, include, exclude, names)
+        if sub_ulp_sigma is not None and include is None and names is None:
+            selected = self._without_sub_ulp(selected, sub_ulp_sigma)
+        self.parameters = [self._make_parameter(name, param.detach(), tensor_id_for(name)) for name, param in selected]
         self.multi_tensor = bool(multi_tensor)
         self._pending: _Perturbation | None = None
         # The partition last returned by partition() with its CPU copy; the last partition used with its run tables
@@ -210,6 +242,17 @@ class ParameterSpace:
                 "it inexact, so the weights drift; use 'device' or 'host' for an exact restore",
                 stacklevel=2,
             )
+
+    @staticmethod
+    def _without_sub_ulp(selected: list[tuple[str, torch.nn.Parameter]], sigma: float) -> list[tuple[str, torch.nn.Parameter]]:
+        """The default selection less its sub-ulp tensors, named in one notice (an `include` keeps them)."""
+        dropped = set(sub_ulp_names(selected, sigma))
+        if not dropped or len(dropped) == len(selected):
+            return selected
+        warnings.warn(f"not perturbing {len(dropped)} 16-bit tensors on which noise of scale {sigma:g} rounds away on "
+                      f"most elements: {_name_groups([n for n, _ in selected if n in dropped])} (pass include "
+                      "patterns to choose the tensors yourself)", stacklevel=3)
+        return [(name, param) for name, param in selected if name not in dropped]
 
     def _make_parameter(self, name: str, data: torch.Tensor, tensor_id: int) -> TrainableParameter:
         if data.dtype == torch.float32:

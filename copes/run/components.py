@@ -112,12 +112,13 @@ def eval_examples(task: Task, cfg: TrainConfig, *, warn: bool) -> list[Example]:
     raise ConfigError(f"task {cfg.task} has no held-out split to evaluate on")
 
 
-def build_agent(cfg: TrainConfig, task: Task) -> AgentConfig:
-    """The rollout settings: greedy decoding (the paper's), the limits, the tool-call format and budgets."""
+def build_agent(cfg: TrainConfig, task: Task, *, rows: int | None) -> AgentConfig:
+    """The rollout settings: greedy decoding (the paper's), `rows` per generate call (None: all at once), the
+    limits, the tool-call format and budgets."""
     from copes.rollout import AgentConfig
 
     limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens,
-                  greedy=True, batch_size=cfg.rollout_batch, tool_format=cfg.tool_format,
+                  greedy=True, batch_size=rows, tool_format=cfg.tool_format,
                   template_kwargs=cfg.template_kwargs, max_observation_tokens=cfg.max_observation_tokens)
     return AgentConfig.for_task(task, **limits, **({"budgets": cfg.tool_budgets} if cfg.tool_budgets else {}))
 

@@ -65,6 +65,10 @@ class TrainConfig:
     prompt_batch: int = _opt(64, "questions per step, shared by every member (paper: 64)")
     max_new_tokens: int = _opt(1024, "tokens generated per turn")
     rollout_batch: int | None = _opt(None, "rows per generate call (default: the whole prompt batch at once)")
+    plan: bool = _opt(False, "print the memory plan (weights, backups, optimizer state, KV and delta-net state, "
+                             "activations per row) for the device and exit; needs only the model's config.json")
+    device_memory_gib: float | None = _opt(None, "the device memory the plan budgets, in GiB (default: the device's "
+                                                 "free memory, or 24 when no device is visible)")
     oom_retry: bool = _opt(False, "on out-of-memory, retry the member with half the rollout batch instead of stopping")
     overlap_scoring: bool = _opt(False, "score each member's rollouts on a background thread while the next member "
                                  "generates (the same rewards and journal; a kill may then lose two members, not one)")
@@ -171,6 +175,8 @@ class TrainConfig:
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
             raise ConfigError(f"--reward-weights gives {len(self.reward_weights)} weights for {len(self.reward)} "
                               f"--reward functions ({', '.join(self.reward) or 'none'})")
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise ConfigError(f"--device-memory-gib must be > 0, got {self.device_memory_gib}")
         if self.budget_hours is not None and self.budget_hours <= 0:
             raise ConfigError(f"--budget-hours must be > 0, got {self.budget_hours}")
         return self

@@ -127,14 +127,26 @@ def gather_member_rewards(local: dict[int, torch.Tensor], population: int, step:
     return [merged[member] for member in range(population)]
 
 
-def weights_checksum(model: torch.nn.Module) -> torch.Tensor:
-    """Per-parameter float64 (sum, sum of squares, position-weighted sum): cheap, and any changed element shows."""
+CHECKSUM_SLICE_ELEMENTS = 1 << 20  # bounds the checksum's temporaries to a few int64 slices (8 MiB each)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def weights_checksum(model: torch.nn.Module, slice_elements: int = CHECKSUM_SLICE_ELEMENTS) -> torch.Tensor:
+    """Per parameter, int64 [sum of b, sum of b^2, sum of (position + 1) * b] over each element's raw bits b,
+    wrapping modulo 2^64. Integer sums are exact and do not depend on the order of summation (slice size, device
+    reduction), so equal weights give equal checksums on every rank; any changed bit changes the first sum.
+    Works slice by slice: the largest temporaries are a few int64 slices, never a copy of the tensor."""
     rows = []
     for parameter in model.parameters():
-        flat = parameter.detach().reshape(-1).to(torch.float64)
-        position = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64) / flat.numel()
-        rows.append(torch.stack((flat.sum(), flat.square().sum(), (flat * position).sum())))
-    return torch.stack(rows).cpu()
+        flat = parameter.detach().reshape(-1)
+        bits = flat.view(_BITS[flat.element_size()])
+        total = torch.zeros(3, dtype=torch.int64, device=flat.device)
+        for start in range(0, bits.numel(), slice_elements):
+            values = bits[start : start + slice_elements].to(torch.int64)
+            positions = torch.arange(start + 1, start + 1 + values.numel(), dtype=torch.int64, device=flat.device)
+            total += torch.stack((values.sum(), (values * values).sum(), (values * positions).sum()))
+        rows.append(total)
+    return torch.stack(rows).cpu() if rows else torch.zeros(0, 3, dtype=torch.int64)
 
 
 def check_in_sync(model: torch.nn.Module, step: int) -> None:

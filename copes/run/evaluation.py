@@ -117,10 +117,13 @@ def evaluate(
     batch_size: int = 64,
     seed: int = 0,
     progress: bool = True,
+    deadline: float | None = None,
 ) -> EvalResult:
     """Roll out `n_samples` per example (greedy iff n_samples == 1 unless `greedy` says otherwise) and score
     each rollout's last turn (`score_rollouts`). `agent_config` defaults to the paper's budgets for the task's
     kind; the decoding arguments here override its greedy/temperature. Rollouts run `batch_size` at a time.
+    Past `deadline` (a time.perf_counter() value) no further batch starts: the result covers the examples whose
+    samples all ran (`n_examples`; at least the first batch's).
     """
     if not examples:
         raise ValueError("examples is empty")
@@ -140,6 +143,8 @@ def evaluate(
     samples: list[dict[str, Any]] = []
     with tqdm(total=len(rows), desc=f"eval {task.name}", unit="rollout", disable=not progress) as bar:
         for batch_number, start in enumerate(range(0, len(rows), batch_size)):
+            if batch_number and deadline is not None and time.perf_counter() > deadline:
+                break
             batch = rows[start : start + batch_size]
             trajectories = run_agent(
                 model,
@@ -160,7 +165,7 @@ def evaluate(
             "golds": list(example.golds),
             "samples": samples[index * n_samples : (index + 1) * n_samples],
         }
-        for index, example in enumerate(examples)
+        for index, example in enumerate(examples[: len(samples) // n_samples])
     ]
     return _summarize(task.name, records, n_samples, ks, time.perf_counter() - started)
 

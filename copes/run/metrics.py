@@ -153,7 +153,7 @@ def plot_curves(records: list[dict[str, Any]], evals: list[dict[str, Any]], path
     reward_axis.set_xlabel("step")
     reward_axis.set_ylabel("training reward")
     handles, labels = reward_axis.get_legend_handles_labels()
-    evals = [e for e in evals if e.get("accuracy") is not None]  # --eval-size 0 records an evaluation of nothing
+    evals = [e for e in evals if e.get("accuracy") is not None]  # skipped ones (--eval-size 0, budget spent)
     if evals:
         accuracy_axis = reward_axis.twinx()
         # Two evaluations (before and after, the default) are points, not a trend: a line between them would

@@ -21,12 +21,14 @@ from copes.es.strategies.base import WHOLE_POPULATION, StepStats
 from copes.failpoints import failpoint
 from copes.modeling import resolve_model_path
 from copes.rollout.engine import load_rollout_model
+from copes.run.budget import Budget, BudgetSpent
 from copes.run.components import (GivenParts, batch_indices, build_agent, build_strategy, build_tools, eval_examples,
                                    split_given, task_from_config, warn_at_start)
 from copes.run.config import TrainConfig, build_config
 from copes.run.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, init_distributed,
                                    members_for_rank)
 from copes.run.evaluation import evaluate
+from copes.run.plan import check_plan
 from copes.run.metrics import PhaseTimer, peak_memory_bytes, progress_bar, zero_update_warning
 from copes.run.record import RunRecord
 from copes.run.replay import replay_member, replays_members
@@ -53,17 +55,19 @@ class Trainer:
         self.eval_set = eval_examples(self.task, cfg, warn=self.is_main)
         # Under torchrun / --workers each rank builds its own engine on its own device (vLLM's external-launcher mode:
         # copes.rollout.vllm_engine), all ranks at once, as vLLM's engine start is collective over the world.
+        device = str(self.dist.device) if self.dist else cfg.device
+        self.plan = check_plan(cfg, device=device, uses_tools=cfg.tools and self.task.chat,  # refuses what cannot fit
+                               say=lambda line: self.is_main and tqdm.write(line, file=sys.stderr))
         self.model, self.tokenizer, self.device = load_rollout_model(
-            cfg.model, engine=cfg.rollout_engine, device=str(self.dist.device) if self.dist else cfg.device,
-            dtype=cfg.dtype, cpu_threads=cfg.cpu_threads, kv_cache_gib=cfg.vllm_kv_cache_gib,
+            cfg.model, engine=cfg.rollout_engine, device=device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads, kv_cache_gib=cfg.vllm_kv_cache_gib,
             max_context_tokens=cfg.max_context_tokens, vllm_cpu_weights=cfg.vllm_cpu_weights)
         if self.is_main:
             warn_at_start(self.task, self.train_set, self.tokenizer, self.model)
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url,
                                  timer=self.timer, corpus_dir=self.record.out, unsafe_sandbox=cfg.unsafe_sandbox)
-        self.agent = build_agent(cfg, self.task)
+        self.agent = build_agent(cfg, self.task, rows=cfg.rollout_batch or self.plan.batch_size)
         self.strategy = build_strategy(cfg, self.model)
-        self.start_step = 0
+        self.start_step, self.budget = 0, Budget(cfg.budget_hours)  # the budget restarts with train()
 
     # ---- one step ------------------------------------------------------------------------------------------
     def population_step(self, step: int, examples: list[Example]) -> StepStats:
@@ -106,6 +110,8 @@ class Trainer:
             for member in progress_bar(mine, desc=f"step {step} members", leave=False, nested=True,
                                        enabled=self.progress and self.is_main):
                 if member not in scored:
+                    if self.dist is None:  # ranks hold different members: under torchrun, steps are the stop points
+                        self.budget.check()
                     rewards = self.evaluate_member(member, examples, sampling=sampling, scoring=scoring)
                     if scoring is None:
                         journaled(member, rewards)
@@ -160,12 +166,12 @@ class Trainer:
 
     # ---- around the steps ------------------------------------------------------------------------------------
     def held_out(self, step: int) -> dict[str, Any]:
-        if not self.eval_set:
+        if not self.eval_set or self.budget.spent():
             return {"step": step, "accuracy": None, "reward": None}
         with self.timer("held_out"):
             result = evaluate(self.model, self.tokenizer, self.task, self.eval_set, tools=self.tools,
-                              agent_config=self.agent, progress=False)
-        record = {"step": step, "accuracy": result.accuracy, "reward": result.mean_reward}
+                              agent_config=self.agent, progress=False, deadline=self.budget.deadline)
+        record = {"step": step, "accuracy": result.accuracy, "reward": result.mean_reward, "questions": result.n_examples}
         self.record.evals.append(record)
         return record
 
@@ -188,6 +194,7 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         cfg, started, record = self.cfg, time.perf_counter(), self.record
+        self.budget = Budget(cfg.budget_hours)
         self.peaks_at_start = peak_memory_bytes(self.device)  # loading's high-water mark (~0.5 GiB on CPU)
         if record.journal is None:
             record.start_journal(self.model, self.strategy, resolve_model_path(cfg.model), self.share)
@@ -200,7 +207,11 @@ class Trainer:
         for step in bar:
             examples = [self.train_set[i] for i in batch_indices(step, cfg.prompt_batch, len(self.train_set), cfg.seed)]
             phase_before = dict(self.timer.seconds)
-            stats = self.population_step(step, examples)
+            try:
+                stats = self.population_step(step, examples)
+            except BudgetSpent:  # between members: the journal holds those scored, --resume continues the step
+                stopped_by, step = "budget", step - 1  # `step` steps are complete
+                break
             if stats.zero_update and self.is_main and not any(r.get("zero_update") for r in record.metrics.records):
                 tqdm.write(f"warning: {zero_update_warning(step + 1, stats)}", file=sys.stderr)
             for phase, seconds in stats.phase_seconds().items():  # rollout includes generate and tools
@@ -215,7 +226,7 @@ class Trainer:
                 check_in_sync(self.model, step + 1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 self.save(step + 1)
-            if self.share(bool(cfg.budget_hours) and time.perf_counter() - started > cfg.budget_hours * 3600, step + 1):
+            if self.share(self.budget.spent(), step + 1):
                 stopped_by = "budget"  # rank 0's clock decides for everyone
                 break
         completed = step + 1 if cfg.steps > self.start_step else self.start_step

@@ -131,6 +131,7 @@ class CoPES(ESBase):
         self.space = ParameterSpace(
             model, include, exclude, chunk_size,
             restore=restore, update_precision=update_precision, stream_elements=stream_elements,
+            sub_ulp_sigma=self.sigma_k,  # 16-bit tensors whose noise rounds away are left out, by name
         )
         self.space.fit_chunk_size(self.num_subspaces)
         self._adam = _Adam(self.space.parameters, self.lr, self.adam_betas, self.adam_eps) if optimizer == "adam" else None

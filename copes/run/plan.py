@@ -1,0 +1,451 @@
+"""The memory plan: what a run will hold on its device, computed before anything loads, from the model's
+config.json alone (the model is built on the meta device, so parameter counts are exact and no weight is read).
+
+Contract:
+- `plan_for(cfg)` works on any machine: `--device cuda` without a GPU plans for the card `device_memory_gib` states
+  (default: the visible device's free memory, or 24 GiB when there is none). It never loads weights.
+- The plan counts, in bytes on the device: the weights; the restore backup (one subspace's chunks for `--restore
+  device`, nothing for host/subtract); fp32 masters and Adam moments; the update's transient buffers; and per row
+  of a generate call, the KV cache and gated delta-net (conv + recurrent) state for the row's whole context, plus
+  the activation peak of the largest prefill (one decoder layer's transients over the prefilled tokens, the 4-D
+  attention mask, the last position's logits). The update runs when no rollout memory is live, so the peak is
+  fixed + max(update buffers, rollout).
+- Context per row is the worst case: the prompt, every turn's full `max_new_tokens`, and every tool result at
+  `max_observation_tokens` (capped by `max_context_tokens`). The prompt is taken as PROMPT_TOKENS.
+- A fixed reserve (RESERVE_BYTES + RESERVE_FRACTION of the card) stands for the CUDA context, cuBLAS/Triton
+  workspaces and allocator fragmentation.
+- Rows per generate call: `--rollout-batch` when given (checked), else the most rows that fit, at most the prompt
+  batch. When not even one row fits, `advice` names what to change, in one line.
+The per-token activation coefficients come from the intermediates transformers' Qwen3 / Qwen3.5 layers keep alive
+(torch fallback of the gated delta rule: fp32); tests/test_plan.py measures them on CPU at reduced width.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from copes.choices import PER_MEMBER_ALGORITHMS
+from copes.errors import ConfigError
+from copes.run.config import TrainConfig
+
+GIB = 1024**3
+DEFAULT_CARD_GIB = 24.0  # what --plan assumes with no --device-memory-gib and no visible device
+PROMPT_TOKENS = 512  # a chat prompt with the tool schema and a question (GSM8K/HotpotQA prompts measure 250-450)
+TOOL_WRAPPER_TOKENS = 32  # the tool-response markup around each observation
+RESERVE_BYTES = int(1.0 * GIB)  # CUDA context, cuBLAS and Triton workspaces
+RESERVE_FRACTION = 0.05  # allocator fragmentation
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model, read from its config and its meta-device build."""
+
+    model_type: str
+    parameters: int  # distinct elements (a tied embedding counted once)
+    trainable: int  # elements ES moves (include/exclude applied)
+    largest_tensor: int  # elements of the largest trainable tensor (the update's per-tensor slices)
+    hidden: int
+    intermediate: int
+    vocab: int
+    full_attention_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    attn_output_gate: bool
+    linear_layers: int  # gated delta-net layers
+    linear_key_dim: int  # key heads x key head dim
+    linear_value_dim: int  # value heads x value head dim
+    linear_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+
+def config_dir(model: str) -> str:
+    """Where the model's config.json is: the embedded tiny model, a local folder (weights not needed), or a hub id."""
+    from copes.modeling import EMBEDDED_MODEL, EMBEDDED_MODEL_DIR
+
+    if model == EMBEDDED_MODEL:
+        return str(EMBEDDED_MODEL_DIR)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model folder {model} has no config.json to plan from")
+        return str(path)
+    return model
+
+
+def load_config(model: str) -> Any:
+    """The model's text config (a vision-language checkpoint's `text_config`), through transformers' AutoConfig."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(config_dir(model))
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read the config of model {model!r}: {str(error).splitlines()[0]}") from None
+    return config
+
+
+def model_shape(config: Any, include: list[str] | None = None, exclude: list[str] | None = None) -> ModelShape:
+    """Build the causal LM on the meta device (no memory, exact shapes) and read off what the plan needs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from copes.es.params import select_parameters
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    try:
+        selected = [p for _, p in select_parameters(model, include or None, exclude or None)]
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    text = config.get_text_config()
+    layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    heads = text.num_attention_heads
+    return ModelShape(
+        model_type=config.model_type, parameters=parameters, trainable=sum(p.numel() for p in selected),
+        largest_tensor=max(p.numel() for p in selected), hidden=text.hidden_size,
+        intermediate=text.intermediate_size, vocab=text.vocab_size,
+        full_attention_layers=layer_types.count("full_attention"), heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        attn_output_gate=bool(getattr(text, "attn_output_gate", False) or config.model_type.startswith("qwen3_5")),
+        linear_layers=layer_types.count("linear_attention"),
+        linear_key_dim=getattr(text, "linear_num_key_heads", 0) * getattr(text, "linear_key_head_dim", 0),
+        linear_value_dim=getattr(text, "linear_num_value_heads", 0) * getattr(text, "linear_value_head_dim", 0),
+        linear_value_heads=getattr(text, "linear_num_value_heads", 0),
+        linear_key_head_dim=getattr(text, "linear_key_head_dim", 0),
+        linear_value_head_dim=getattr(text, "linear_value_head_dim", 0),
+        conv_kernel=getattr(text, "linear_conv_kernel_dim", 0),
+    )
+
+
+# ---------------------------------------------------------------- per-token and per-row terms
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+    """K and V of every full-attention layer, for one token of one row."""
+    return 2 * shape.kv_heads * shape.head_dim * dtype_bytes * shape.full_attention_layers
+
+
+def recurrent_bytes_per_row(shape: ModelShape, dtype_bytes: int) -> int:
+    """Gated delta-net state of one row: the conv window (model dtype) and the fp32 recurrent state."""
+    conv = shape.conv_dim * shape.conv_kernel * dtype_bytes
+    ssm = shape.linear_value_heads * shape.linear_key_head_dim * shape.linear_value_head_dim * 4
+    return (conv + ssm) * shape.linear_layers
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> dict[str, int]:
+    """The transients one decoder layer keeps alive at its peak, per prefilled token, by layer kind. The residual
+    stream, the layer's input and output and the normed copy (4 hidden) are live in every kind."""
+    s, residual = dtype_bytes, 4 * shape.hidden * dtype_bytes
+    # MLP: act(gate), up and their product, then the product and down's output.
+    kinds = {"mlp": residual + 3 * shape.intermediate * s}
+    if shape.full_attention_layers:
+        query = shape.heads * shape.head_dim
+        # q (doubled by the output gate), rope's temporaries on q and k, k and v, SDPA's output and its transpose.
+        gate = 2 if shape.attn_output_gate else 1
+        kinds["attention"] = residual + (gate + 4) * query * s + 4 * shape.kv_heads * shape.head_dim * s
+    if shape.linear_layers:
+        value, conv = shape.linear_value_dim, shape.conv_dim
+        # Model dtype: the projected qkv, the conv output, q/k repeated to the value heads, v, z; fp32 in the torch
+        # gated delta rule: q, k, v (and their padded copies), k*beta, v*beta, attn @ v_beta, k_cumdecay and the
+        # output, plus the intra-chunk attention matrices (64 x 64 per head).
+        repeated = 2 * shape.linear_value_heads * shape.linear_key_head_dim + value
+        model_dtype = (2 * conv + repeated + value) * s
+        fp32 = (9 * max(value, shape.linear_value_heads * shape.linear_key_head_dim) + 2 * 64 * shape.linear_value_heads) * 4
+        kinds["gated delta-net"] = residual + model_dtype + fp32
+    return kinds
+
+
+@dataclass(frozen=True)
+class RolloutShape:
+    """Tokens per row of a rollout (worst case: every turn uses its full budget)."""
+
+    turns: int
+    prompt_tokens: int
+    generated_per_turn: int
+    tool_tokens_per_turn: int
+    context_tokens: int  # prompt + generated + tool tokens of the whole rollout, capped
+    prefill_tokens: int  # tokens one row prefills in the largest prefill call
+
+
+def rollout_shape(cfg: TrainConfig, uses_tools: bool, prefill_chunk_tokens: int | None = None) -> RolloutShape:
+    turns = cfg.max_turns if uses_tools else 1
+    tool = cfg.max_observation_tokens + TOOL_WRAPPER_TOKENS if uses_tools else 0
+    context = min(cfg.max_context_tokens, PROMPT_TOKENS + turns * cfg.max_new_tokens + (turns - 1) * tool)
+    # Today's HF engine re-sends the whole context each turn, unchunked: the last turn prefills all but its output.
+    last_prefill = max(context - cfg.max_new_tokens, 1)
+    prefill = min(last_prefill, prefill_chunk_tokens) if prefill_chunk_tokens else last_prefill
+    return RolloutShape(turns, PROMPT_TOKENS, cfg.max_new_tokens, tool, context, prefill)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class PlanLine:
+    what: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    card_bytes: int
+    card_source: str  # "stated", "device free memory" or "default"
+    dtype: str
+    shape: ModelShape
+    rollout: RolloutShape
+    fixed: list[PlanLine]
+    update: list[PlanLine]
+    per_row: list[PlanLine]
+    rows: int  # rows per generate call the run uses (0: none fits)
+    rows_wanted: int
+    activation_kind: str
+    advice: str | None = None
+
+    @property
+    def batch_size(self) -> int | None:
+        """The run's rows per generate call: None (every active row, the engine's default) when all fit."""
+        return None if self.rows >= self.rows_wanted else self.rows
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.card_bytes * (1 - RESERVE_FRACTION)) - RESERVE_BYTES
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(line.bytes for line in self.fixed)
+
+    @property
+    def update_bytes(self) -> int:
+        return sum(line.bytes for line in self.update)
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(line.bytes for line in self.per_row)
+
+    def peak_bytes(self, rows: int | None = None) -> int:
+        rows = self.rows if rows is None else rows
+        return self.fixed_bytes + max(self.update_bytes, rows * self.row_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.rows >= 1 and self.peak_bytes() <= self.usable_bytes
+
+    def summary(self) -> str:
+        """The one line a run prints at start."""
+        verdict = (f"fits: peak {_gib(self.peak_bytes())} of {_gib(self.usable_bytes)} usable"
+                   if self.fits else f"does not fit: {self.advice}")
+        return (f"memory plan ({self.device}, {_gib(self.card_bytes)} {self.card_source}, {self.dtype}): "
+                f"{self.rows} rows per generate call, {self.rollout.context_tokens} tokens per row; {verdict}")
+
+    def table(self) -> str:
+        rows = [("weights and training state", None, "")]
+        rows += [(line.what, line.bytes, line.note) for line in self.fixed]
+        rows += [("update transients (not during rollouts)", None, "")]
+        rows += [(line.what, line.bytes, line.note) for line in self.update]
+        rows += [(f"per row of a generate call ({self.rollout.context_tokens} tokens of context)", None, "")]
+        rows += [(line.what, line.bytes, line.note) for line in self.per_row]
+        width = max(len(what) for what, _, _ in rows) + 2
+        out = [f"memory plan for {self.shape.model_type} ({self.shape.parameters:,} parameters, "
+               f"{self.shape.trainable:,} trainable) on {self.device}, {self.dtype}"]
+        for what, size, note in rows:
+            out.append(what if size is None else f"  {what:<{width}}{_gib(size):>11}  {note}".rstrip())
+        out += [
+            f"rollout: {self.rollout.turns} turn(s) x {self.rollout.generated_per_turn} generated + "
+            f"{self.rollout.tool_tokens_per_turn} tool tokens, prompt {self.rollout.prompt_tokens}; largest prefill "
+            f"{self.rollout.prefill_tokens} tokens per row; activation peak in the {self.activation_kind} layers",
+            f"card {_gib(self.card_bytes)} ({self.card_source}), usable {_gib(self.usable_bytes)} after a "
+            f"{_gib(RESERVE_BYTES)} + {RESERVE_FRACTION:.0%} reserve",
+            f"peak: fixed {_gib(self.fixed_bytes)} + max(update {_gib(self.update_bytes)}, "
+            f"{self.rows} rows x {_gib(self.row_bytes)}) = {_gib(self.peak_bytes())}",
+            self.summary(),
+        ]
+        return "\n".join(out)
+
+
+def _gib(size: int) -> str:
+    return f"{size / GIB:.2f} GiB"
+
+
+def card_bytes(cfg: TrainConfig) -> tuple[int, str]:
+    """The memory the plan budgets: --device-memory-gib, else the device's free memory, else DEFAULT_CARD_GIB."""
+    if cfg.device_memory_gib is not None:
+        return int(cfg.device_memory_gib * GIB), "stated"
+    import torch
+
+    device = _device_type(cfg.device)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = int(device.partition(":")[2] or 0)
+        free, _ = torch.cuda.mem_get_info(index)
+        return int(free), "device free memory"
+    if device == "cpu":
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host memory"
+    return int(DEFAULT_CARD_GIB * GIB), "default (no device visible)"
+
+
+def _device_type(device: str) -> str:
+    """'auto' as the run would resolve it; any cuda spelling is kept, without asking whether a GPU exists."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _dtype(cfg: TrainConfig, device: str) -> str:
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def _fixed_lines(cfg: TrainConfig, shape: ModelShape, s: int) -> list[PlanLine]:
+    per_member = cfg.algorithm in PER_MEMBER_ALGORITHMS
+    k = cfg.num_subspaces
+    lines = [PlanLine("weights", shape.parameters * s, f"{shape.parameters:,} x {s} B")]
+    if per_member and cfg.restore == "device":
+        # The random partition gives a subspace about 1/K of the chunks; 2% headroom for its spread.
+        lines.append(PlanLine("restore backup", int(math.ceil(shape.trainable / k * 1.02)) * s,
+                              f"1/{k} of the trainable weights (--restore device)"))
+    else:
+        lines.append(PlanLine("restore backup", 0, f"--restore {cfg.restore}: none on the device" if per_member
+                              else "none: EGGROLL perturbs inside the forward"))
+    master = s < 4 and per_member and cfg.optimizer == "adam"  # Adam keeps fp32 masters of 16-bit weights
+    lines.append(PlanLine("fp32 masters", shape.trainable * 4 if master else 0,
+                          "Adam on 16-bit weights" if master else "none (SGD with stochastic rounding)" if s < 4 else "none"))
+    adam = per_member and cfg.optimizer == "adam"
+    lines.append(PlanLine("Adam moments", 2 * shape.trainable * 4 if adam else 0, "2 x fp32" if adam else "none (SGD)"))
+    return lines
+
+
+def _update_lines(cfg: TrainConfig, shape: ModelShape, s: int) -> list[PlanLine]:
+    """The update's transients: the fused SGD kernels hold none; the per-tensor path (Adam, or EGGROLL's low-rank
+    update) materialises the largest tensor's gradient, a copy for the applied norm and the rule's temporaries."""
+    largest = shape.largest_tensor
+    if cfg.algorithm in PER_MEMBER_ALGORITHMS and cfg.optimizer == "sgd":
+        return [PlanLine("fused noise-sum update", 0, "in-kernel, no full-size buffer")]
+    if cfg.optimizer == "adam" and cfg.algorithm in PER_MEMBER_ALGORITHMS:
+        # fp32: gradient, the target's copy, Adam's three temporaries (m_hat, v_hat, their quotient).
+        return [PlanLine("Adam slice buffers", largest * 4 * 5, f"5 x fp32 of the largest tensor ({largest:,})")]
+    # before-copy in the weight dtype, the fp32 casts of after and before and their difference.
+    return [PlanLine("low-rank update buffers", largest * (s + (12 if s < 4 else 4)),
+                     f"copy + norm of the largest tensor ({largest:,})")]
+
+
+def _row_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[list[PlanLine], str]:
+    kinds = layer_activation_bytes_per_token(shape, s)
+    kind, per_token = max(kinds.items(), key=lambda item: item[1])
+    context, prefill = rollout.context_tokens, rollout.prefill_tokens
+    lines = [
+        PlanLine("KV cache", kv_bytes_per_token(shape, s) * context,
+                 f"{shape.full_attention_layers} layers x 2 x {shape.kv_heads} x {shape.head_dim}"),
+        PlanLine("delta-net state", recurrent_bytes_per_row(shape, s),
+                 f"{shape.linear_layers} layers, fp32 recurrent" if shape.linear_layers else "none"),
+        PlanLine("prefill activations", per_token * prefill, f"{prefill} tokens x {per_token:,} B ({kind})"),
+        # transformers' SDPA path builds a boolean [rows, 1, q, kv] mask when rows are padded.
+        PlanLine("attention mask", prefill * context if shape.full_attention_layers else 0, "bool [q, kv]"),
+        # Prefill computes only the last position's logits; decoding keeps fp32 logits and processed scores.
+        PlanLine("logits", shape.vocab * 4 * 3, "fp32 logits, scores, probabilities"),
+    ]
+    return lines, kind
+
+
+def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None, prefill_chunk_tokens: int | None = None,
+             model_path: str | None = None) -> MemoryPlan:
+    """The memory plan of `cfg` (see the module docstring); reads only the model's config (from `model_path`
+    when given: a resolved local folder)."""
+    device = _device_type(cfg.device)
+    dtype = _dtype(cfg, device)
+    s = BYTES[dtype]
+    shape = model_shape(load_config(model_path or cfg.model), cfg.include, cfg.exclude)
+    if uses_tools is None:
+        uses_tools = _task_uses_tools(cfg)
+    rollout = rollout_shape(cfg, uses_tools, prefill_chunk_tokens)
+    per_row, kind = _row_lines(shape, rollout, s)
+    fixed = _fixed_lines(cfg, shape, s)
+    if cfg.rollout_engine == "vllm":  # vLLM pages its own KV cache, of a fixed size, and masks nothing
+        per_row = [line for line in per_row if line.what not in ("KV cache", "attention mask")]
+        fixed.append(PlanLine("vLLM KV cache", int(cfg.vllm_kv_cache_gib * GIB), "--vllm-kv-cache-gib"))
+        if device == "cpu" and cfg.vllm_cpu_weights == "packed":
+            fixed.append(PlanLine("packed linear weights", shape.parameters * s, "oneDNN copies (at most the weights)"))
+    size, source = card_bytes(cfg)
+    plan = MemoryPlan(device, size, source, dtype, shape, rollout, fixed,
+                      _update_lines(cfg, shape, s), per_row, rows=0, rows_wanted=cfg.prompt_batch,
+                      activation_kind=kind)
+    room = plan.usable_bytes - plan.fixed_bytes
+    rows_fit = max(room // plan.row_bytes, 0) if room > plan.update_bytes else 0
+    plan.rows = cfg.rollout_batch if cfg.rollout_batch is not None else min(int(rows_fit), cfg.prompt_batch)
+    if not plan.fits:
+        plan.advice = _advice(cfg, plan, int(rows_fit))
+    return plan
+
+
+def _task_uses_tools(cfg: TrainConfig) -> bool:
+    """Whether the run's agent takes tool turns (a chat task with tools on); unknown tasks plan for tools."""
+    if not cfg.tools:
+        return False
+    from copes.tasks import get_task
+
+    try:
+        return bool(get_task(cfg.task).chat)
+    except (ValueError, TypeError):
+        return True
+
+
+def _advice(cfg: TrainConfig, plan: MemoryPlan, rows_fit: int) -> str:
+    """One line: what to change, the largest saving first."""
+    if cfg.rollout_batch is not None and rows_fit >= 1:
+        return f"--rollout-batch {cfg.rollout_batch} needs {_gib(plan.peak_bytes())}; use --rollout-batch {rows_fit} or less"
+    fixed = {line.what: line.bytes for line in plan.fixed}
+    over = plan.fixed_bytes + max(plan.update_bytes, plan.row_bytes) - plan.usable_bytes
+    changes = []
+    adam = fixed["fp32 masters"] + fixed["Adam moments"] + plan.update_bytes
+    if cfg.optimizer == "adam":
+        changes.append(f"--optimizer sgd (Adam's fp32 masters, moments and slices need {_gib(adam)})")
+    if fixed["restore backup"]:
+        changes.append(f"--restore host (frees the {_gib(fixed['restore backup'])} device backup)")
+    if plan.dtype == "float32":
+        changes.append("--dtype bfloat16 (halves weights and caches)")
+    row_fixed = next(line.bytes for line in plan.per_row if line.what == "logits") + recurrent_bytes_per_row(plan.shape, BYTES[plan.dtype])
+    per_token = max(plan.row_bytes - row_fixed, 1) / plan.rollout.context_tokens
+    room = plan.usable_bytes - plan.fixed_bytes - row_fixed
+    if room > 0:
+        changes.append(f"--max-context-tokens {max(int(room / per_token) // 256 * 256, 256)} "
+                       f"(now {plan.rollout.context_tokens} per row)")
+    return (f"needs {_gib(over)} more than the {_gib(plan.usable_bytes)} usable at 1 row per generate call; "
+            f"try {' or '.join(changes) if changes else 'a larger device'}")
+
+
+def check_plan(cfg: TrainConfig, *, device: str, uses_tools: bool, say: Any = print) -> MemoryPlan:
+    """A run's start, on `device` (this rank's): say the one-line summary and refuse, before loading, what cannot
+    fit. The plan's `batch_size` is the run's rows per generate call when --rollout-batch is not given."""
+    from copes.modeling import resolve_model_path  # a hub id becomes its cached snapshot, or a clear error
+
+    plan = plan_for(replace(cfg, device=device), uses_tools=uses_tools, model_path=resolve_model_path(cfg.model))
+    say(plan.summary())
+    if not plan.fits:
+        raise ConfigError(f"the run does not fit in {_gib(plan.usable_bytes)} usable on {plan.device}: {plan.advice} "
+                          "(copes-run --plan shows the table; --device-memory-gib states another card)")
+    return plan
+
+
+def plan_json(plan: MemoryPlan) -> str:
+    """The plan as JSON (for benches and the GPU check to compare against measurements)."""
+    return json.dumps({"rows": plan.rows, "fits": plan.fits, "peak_bytes": plan.peak_bytes(),
+                       "usable_bytes": plan.usable_bytes, "fixed": {l.what: l.bytes for l in plan.fixed},
+                       "update": {l.what: l.bytes for l in plan.update},
+                       "per_row": {l.what: l.bytes for l in plan.per_row}})
