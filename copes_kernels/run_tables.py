@@ -99,14 +99,19 @@ def build_run_table(
     with one subspace `subspace` defaults to it (the same rows as every chunk's).
     """
     tensors = tuple(tensors)
+    tensor_ids = tuple(int(i) for i in tensor_ids)
+    if not tensors:
+        raise ValueError("a run table needs at least one tensor")
+    device, dtype = tensors[0].device, tensors[0].dtype
+    for tensor in tensors:
+        if tensor.device != device or tensor.dtype != dtype:
+            raise ValueError(f"a run table's tensors share one device and dtype: {tensor.device}/{tensor.dtype} "
+                             f"next to {device}/{dtype}")
     for index, tensor in enumerate(tensors):
         if tensor.dtype not in STORAGE_DTYPES or not tensor.is_contiguous():
             raise ValueError(f"tensor {index} must be contiguous float32, bfloat16 or float16, got a "
                              f"{'' if tensor.is_contiguous() else 'non-contiguous '}{tensor.dtype} tensor")
     tensors = tuple(t.view(-1) for t in tensors)
-    tensor_ids = tuple(int(i) for i in tensor_ids)
-    if not tensors:
-        raise ValueError("a run table needs at least one tensor")
     if chunk_subspaces is None:
         if host_chunk_subspaces is not None:
             raise ValueError("host_chunk_subspaces was given without chunk_subspaces: pass both, or neither for one "
@@ -121,11 +126,6 @@ def build_run_table(
         num_subspaces = 1 + max((int(part.max()) for part in host_chunk_subspaces if part.numel()), default=0)
     if subspace is None and num_subspaces == 1:
         subspace = 0  # one subspace owns every chunk: the same rows, and the table also serves perturb and restore
-    device, dtype = tensors[0].device, tensors[0].dtype
-    for tensor in tensors:
-        if tensor.device != device or tensor.dtype != dtype:
-            raise ValueError(f"a run table's tensors share one device and dtype: {tensor.device}/{tensor.dtype} "
-                             f"next to {device}/{dtype}")
     if not 1 <= num_subspaces or (subspace is not None and not 0 <= subspace < num_subspaces):
         raise ValueError(f"subspace must be None or in [0, {num_subspaces}), got {subspace}")
     rows, backup_sizes = [], []

@@ -227,3 +227,9 @@ def test_the_documented_known_answers_hold() -> None:
         printed = text.split(call + "\n", 1)[1].splitlines()[0]
         documented = torch.tensor([float(value) for value in printed.split()])
         torch.testing.assert_close(reference.normal(**kwargs), documented, rtol=0, atol=1e-8)
+
+
+def test_a_run_table_refuses_a_non_contiguous_tensor_with_one_line() -> None:
+    with pytest.raises(ValueError, match="tensor 0 must be contiguous float32, bfloat16 or float16, got a "
+                                         "non-contiguous torch.float32 tensor"):
+        ck.build_run_table([torch.zeros(4, 6).t()], tensor_ids=[1])
