@@ -2,7 +2,7 @@
 
 The naive baseline is what ES code without a noise contract does: a per-tensor seeded `torch.randn` materialised
 in full, then a (masked) add; a low-rank member's weight materialised before its GEMM. `copes` is the public op as
-dispatched: on CPU the compiled backend (`copes_kernels/cpu.py`, the real CPU training path), on CUDA the Triton
+dispatched: on CPU the compiled backend (`copes_kernels/backends/cpu/`, the real CPU training path), on CUDA the Triton
 kernels; on CPU the torch/numpy `reference` (the test oracle) is timed too. Timing: pytest-benchmark on CPU,
 triton.testing.do_bench on CUDA.
 GB/s counts the bytes an op must move at least (the same count for both implementations), so the GB/s ratio is
@@ -28,7 +28,7 @@ import torch
 from harness import DEVICE, POPULATION, RESULTS_DIR, SIGMA, SUBSPACES, device_label, element_masks, seeded_randn
 
 import copes_kernels as ck
-from copes_kernels import reference
+from copes_kernels.backends import reference
 
 IMPLEMENTATIONS = ("copes", "reference", "naive") if DEVICE.type == "cpu" else ("copes", "naive")
 # The CPU ops take 0.1-600 ms each: five timed rounds after one warm-up, and the fastest one is reported, since a

@@ -1,9 +1,9 @@
 """copes_kernels: the noise contract and fused ES ops (perturb, restore, accumulate, low-rank).
 
-Knows nothing about models or tasks: embed it in any ES trainer. See DESIGN.md for the binding contract.
+Knows nothing about models or tasks: embed it in any ES trainer. The contract, in this repository: docs/noise-contract.md; how to embed it: docs/embedding.md.
 """
 
-from copes_kernels._dispatch import (
+from copes_kernels.dispatch import (
     accumulate_,
     backend_for,
     backup_chunks,
@@ -20,6 +20,8 @@ from copes_kernels._dispatch import (
 )
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE, make_partition, num_chunks
 from copes_kernels.run_tables import RunTable, build_run_table
+from copes_kernels.warm_up import warm_up
+from copes_kernels.weight_set import WeightSet, tensor_id_of
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -40,4 +42,7 @@ __all__ = [
     "philox4x32_10",
     "restore_chunks_",
     "RunTable",
+    "WeightSet",
+    "tensor_id_of",
+    "warm_up",
 ]

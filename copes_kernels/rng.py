@@ -11,7 +11,7 @@ replay in the update agree on any backend, any rank, after any resume and under 
     eps(i)  = n_(i & 3)
 
 This module is the host implementation of the contract (exact unsigned numpy arithmetic, results on any device); the Triton
-twin lives in `triton_rng.py` and must produce bit-identical words. One float32 detail: the largest word
+twin lives in `backends/triton/rng.py` (the compiled CPU one in `backends/cpu/numerics.py`) and must produce bit-identical words. One float32 detail: the largest word
 (x >> 8 = 2^24 - 1) rounds u to exactly 1.0 (ties-to-even); ln(1) = 0 gives a zero radius, never a NaN.
 """
 

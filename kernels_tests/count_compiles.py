@@ -30,7 +30,9 @@ from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
-from copes_kernels import _shared, lowrank, multi_tensor, perturb, triton_rng, update  # noqa: E402
+from copes_kernels.backends.triton import lowrank, multi_tensor, perturb, update  # noqa: E402
+from copes_kernels.backends.triton import rng as triton_rng
+from copes_kernels.backends.triton import shared as _shared
 
 KERNEL_MODULES = (triton_rng, perturb, update, multi_tensor, _shared, lowrank)
 # Kernels whose BLOCK follows triton_rng.noise_block (fixed on a GPU).

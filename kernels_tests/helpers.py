@@ -7,7 +7,9 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from copes_kernels import lowrank, perturb, reference, triton_rng, update
+from copes_kernels.backends import reference
+from copes_kernels.backends.triton import lowrank, perturb, update
+from copes_kernels.backends.triton import rng as triton_rng
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ODD_SIZES = (1, 7, 4097, (1 << 20) + 3)
@@ -30,7 +32,7 @@ TRITON_OPS = {
 def ops(backend: str) -> ModuleType | SimpleNamespace:
     """The op table of one backend: the reference module, the compiled CPU module or the Triton launchers."""
     if backend == "cpu":  # imported here: it is numba, which a bare GPU image may lack
-        return importlib.import_module("copes_kernels.cpu")
+        return importlib.import_module("copes_kernels.backends.cpu")
     return reference if backend == "reference" else SimpleNamespace(**TRITON_OPS)
 
 

@@ -19,7 +19,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from copes_kernels import _shared, lowrank, multi_tensor, perturb, triton_rng, update
+from copes_kernels.backends.triton import lowrank, multi_tensor, perturb, update
+from copes_kernels.backends.triton import rng as triton_rng
+from copes_kernels.backends.triton import shared as _shared
 
 STREAM = {name: "i32" for name in triton_rng.STREAM_ARGS}
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -72,7 +74,7 @@ def kernel_cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]
              {"ALIGNED": True, "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
             (f"accumulate[{dtype}]", update._accumulate_kernel,
              _signature(update._accumulate_kernel, target_ptr=f"*{dtype}", run_starts_ptr="*i64", run_stops_ptr="*i64",
-                        run_first_member_ptr="*i64", run_end_member_ptr="*i64", members_ptr="*i64", coeffs_ptr="*fp32",
+                        run_first_member_ptr="*i64", run_end_member_ptr="*i64", streams_ptr="*i64", coeffs_ptr="*fp32",
                         tiles_per_run="i32", STOCHASTIC="constexpr", ALIGNED="constexpr", BLOCK="constexpr"),
              {"STOCHASTIC": dtype != "fp32", "ALIGNED": True, "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
         ]
@@ -108,7 +110,7 @@ def kernel_cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]
              {"BITS": _triton_types(types)["BITS"], "ALIGNED": True, "BLOCK": triton_rng.GPU_NOISE_BLOCK}),
             (f"multi_accumulate[{dtype}]", multi_tensor._multi_accumulate_kernel,
              _signature(multi_tensor._multi_accumulate_kernel, runs_ptr="*i64", pointers_ptr="*i64", ids_ptr="*i64",
-                        first_member_ptr="*i64", end_member_ptr="*i64", members_ptr="*i64", coeffs_ptr="*fp32",
+                        first_member_ptr="*i64", end_member_ptr="*i64", streams_ptr="*i64", coeffs_ptr="*fp32",
                         partials_ptr="*fp64", tiles_per_run="i32", DTYPE="constexpr", BITS="constexpr",
                         STOCHASTIC="constexpr", ALIGNED="constexpr", BLOCK="constexpr"),
              {**_triton_types(types), "STOCHASTIC": dtype != "fp32", "ALIGNED": True,

@@ -1,4 +1,4 @@
-"""The compiled CPU backend (copes_kernels/cpu.py) against the reference oracle, op by op, on the kernel suite's
+"""The compiled CPU backend (copes_kernels/backends/cpu/) against the reference oracle, op by op, on the kernel suite's
 shapes: odd sizes, offsets past 2^32, every storage dtype, NaN-poisoned outputs. Philox words, packed backups,
 restores and stochastic rounding must be bit-identical to the reference; normals (and what is built from them)
 agree within the contract's ~1e-6. Every op gives the same bits on 1 and on 2 threads.
@@ -17,13 +17,14 @@ import pytest
 import torch
 
 import copes_kernels as ck
-from copes_kernels import reference
+from copes_kernels.backends import reference
 from copes_kernels.rng import MASK32, ROUNDING_STREAM
 from kernels_tests.helpers import BIG_OFFSET, DTYPES, ODD_SIZES, assert_close_in_ulps, bits, poisoned
 
 # The compiled CPU backend is numba: installed with copes, absent on a bare GPU image (bench/gpu_check.sh).
 numba = pytest.importorskip("numba")
-from copes_kernels import cpu  # noqa: E402
+from copes_kernels.backends import cpu  # noqa: E402
+from copes_kernels.backends.cpu import numerics  # noqa: E402
 
 IDS = dict(seed=(1 << 63) + 17, member=MASK32 - 2, tensor_id=0xDEADBEEF)
 SIGMA = 0.5
@@ -83,20 +84,20 @@ def test_normals_agree_with_the_reference(n: int, offset: int) -> None:
 
 def test_the_uniform_extremes_give_finite_radii() -> None:
     """Word 0 gives u = 2^-25 (the largest radius), word 2^32 - 1 rounds u to exactly 1.0 (radius 0, not NaN)."""
-    assert cpu._uniform(np.uint64(0)) == np.float32(2.0**-25)
-    assert cpu._uniform(np.uint64(MASK32)) == np.float32(1.0)
-    assert cpu._log(np.float32(1.0)) == 0.0
-    assert np.sqrt(-2.0 * cpu._log(np.float32(2.0**-25))) == pytest.approx(np.sqrt(50 * np.log(2)), rel=1e-6)
+    assert numerics._uniform(np.uint64(0)) == np.float32(2.0**-25)
+    assert numerics._uniform(np.uint64(MASK32)) == np.float32(1.0)
+    assert numerics._log(np.float32(1.0)) == 0.0
+    assert np.sqrt(-2.0 * numerics._log(np.float32(2.0**-25))) == pytest.approx(np.sqrt(50 * np.log(2)), rel=1e-6)
 
 
 def test_compiled_transcendentals_are_within_two_float32_ulps() -> None:
     """The polynomial log, sin and cos on the uniforms' whole range, against float64 numpy."""
     u = np.concatenate([np.linspace(2.0**-25, 1.0, 200_003), np.geomspace(2.0**-25, 0.01, 20_000)]).astype(np.float32)
-    log = np.array([cpu._log(value) for value in u[::50]], np.float64)
+    log = np.array([numerics._log(value) for value in u[::50]], np.float64)
     exact = np.log(u[::50].astype(np.float64))
     assert np.all(np.abs(log - exact) <= 2 * np.spacing(np.abs(exact).astype(np.float32)) + 1e-12)
     angle = (np.float32(2 * np.pi) * u[::50]).astype(np.float32)
-    sin_cos = np.array([cpu._sin_cos(value) for value in angle], np.float64)
+    sin_cos = np.array([numerics._sin_cos(value) for value in angle], np.float64)
     for got, exact in ((sin_cos[:, 0], np.sin(angle.astype(np.float64))), (sin_cos[:, 1], np.cos(angle.astype(np.float64)))):
         assert np.max(np.abs(got - exact)) <= 2 * 2.0**-24  # two ulps of values in [0.5, 1)
 
@@ -297,9 +298,9 @@ def test_a_new_process_loads_the_compiled_kernels_from_disk_and_keeps_torch_thre
     script = (
         "import json, torch\n"
         "torch.set_num_threads(1)\n"
-        "from copes_kernels import cpu\n"
-        "cpu.normal(10, seed=1, member=2, tensor_id=3)\n"
-        "stats = cpu._normal_rows_kernel.stats\n"
+        "from copes_kernels.backends.cpu import kernels, ops\n"
+        "ops.normal(10, seed=1, member=2, tensor_id=3)\n"
+        "stats = kernels.normal_rows_kernel.stats\n"
         "print(json.dumps({'hits': sum(stats.cache_hits.values()), 'misses': sum(stats.cache_misses.values()),"
         " 'torch_threads': torch.get_num_threads()}))\n"
     )

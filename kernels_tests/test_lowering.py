@@ -31,15 +31,17 @@ def test_every_kernel_compiles_for_sm90() -> None:
     spilled_bytes = re.findall(r"(?:LOCAL|STACK):(\d+)", result.stdout)
     assert spilled_bytes and set(spilled_bytes) == {"0"}, "a kernel spills registers to local memory or the stack"
     # Instruction budget (static SASS, bench/README.md): the goals are perturb <= 60 per element and
-    # accumulate <= 45 per regenerated normal; the guards sit just above today's counts (41.6 and 31.8 for the
-    # aligned kernels, 55.9 and 34.2 for the variants odd offsets and sizes compile), so added work fails here.
+    # accumulate <= 45 per regenerated normal; the guards sit just above today's counts (41.6 and 33.9 for the
+    # aligned kernels, 55.9 and 36.0 for the variants odd offsets and sizes compile), so added work fails here.
+    # Per-member keys (seeds=[...]) cost the accumulate loop 2.1 of those (31.8 before): each member's Philox key
+    # schedule is its own, no longer hoisted out of the member loop.
     for line in result.stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         kernel, aligned = name.split("[")[0], "unaligned" not in name
         if kernel in ("perturb", "multi_perturb"):
             assert float(re.search(r" per-element:([\d.]+)", line).group(1)) <= (43 if aligned else 58), line
         if kernel in ("accumulate", "multi_accumulate"):
-            assert float(re.search(r"loop-per-element:([\d.]+)", line).group(1)) <= (33 if aligned else 36), line
+            assert float(re.search(r"loop-per-element:([\d.]+)", line).group(1)) <= (35 if aligned else 37), line
         if kernel in ("perturb", "accumulate", "multi_perturb", "multi_restore", "multi_accumulate", "normal_rows",
                       "copy_runs", "store_stochastic") and aligned:
             # 128-bit loads and stores, and no shared-memory layout shuffle (multi_accumulate's norm reduction

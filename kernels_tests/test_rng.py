@@ -8,7 +8,10 @@ import torch
 import triton
 
 import copes_kernels as ck
-from copes_kernels import _shared, perturb, reference, triton_rng, update
+from copes_kernels.backends import reference
+from copes_kernels.backends.triton import perturb, update
+from copes_kernels.backends.triton import rng as triton_rng
+from copes_kernels.backends.triton import shared as _shared
 from copes_kernels.rng import MASK32, words_to_normal, words_to_uniform
 from kernels_tests.helpers import BIG_OFFSET, ODD_SIZES, ops
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import copes_kernels as ck
-from copes_kernels import _shared, reference
+from copes_kernels.backends import reference
+from copes_kernels.backends.triton import shared as _shared
 from copes_kernels.rng import ROUNDING_STREAM
 from kernels_tests.helpers import BIG_OFFSET, DTYPES, ODD_SIZES, assert_close_in_ulps, bits, ops
 from kernels_tests.test_perturb import random_partition, random_values, selected_mask

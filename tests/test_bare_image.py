@@ -37,15 +37,16 @@ def test_engine_benchmarks_and_kernel_tests_import_without_the_optional_extras(t
         import copes, copes_kernels
         for package in (copes, copes_kernels):
             for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-                if module.name != "copes_kernels.cpu":  # the compiled CPU backend is numba itself
+                if not module.name.startswith("copes_kernels.backends.cpu"):  # the compiled CPU backend is numba
                     importlib.import_module(module.name)
         print("cpu tensors run on:", copes_kernels.backend_for("cpu"))
         for script in ("harness", "models", "memory_probe", "bench_kernels", "step_overhead", "vs_naive", "memory",
                        "eggroll_throughput", "sample_efficiency", "copes_vs_es_mlp", "engine_overhead", "journal_cost",
-                       "sandbox_throughput", "vs_grpo"):
+                       "sandbox_throughput", "vs_grpo", "openai_es_loop"):
             importlib.import_module(script)
         for test_module in ("test_rng", "test_perturb", "test_update", "test_lowrank", "test_multi_tensor",
-                            "test_partition", "test_errors", "test_lowering", "test_embed_example"):
+                            "test_partition", "test_errors", "test_lowering", "test_examples", "test_embedding_api",
+                            "test_openai_es_loop"):
             importlib.import_module("kernels_tests." + test_module)
         from copes.errors import UserError
         from copes.rewards import MathVerifierPool

@@ -16,7 +16,7 @@ from copes.modeling import EMBEDDED_MODEL_DIR
 from copes.es.params import ParameterSpace
 
 numba = pytest.importorskip("numba")
-from copes_kernels import cpu  # noqa: E402
+from copes_kernels.backends import cpu  # noqa: E402
 
 SEED = (1 << 40) + 123
 SUBSPACES = 4

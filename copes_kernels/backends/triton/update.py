@@ -5,26 +5,27 @@
 Members are sorted by subspace, so those of subspace k sit in one segment [lo_k, hi_k). The launch covers the
 chunks whose subspace has members (one tile of one chunk per program); a tile loads target once, loops over only
 its own segment regenerating each member's noise into a float32 accumulator, and stores once. The noise is never
-materialised and a tile never generates noise for a member of another subspace.
+materialised and a tile never generates noise for a member of another subspace. Each member's noise is keyed by
+its own row (member, key word 0, key word 1): one seed per step and one seed per member cost the same.
 
 Stochastic rounding (bfloat16 / float16 targets) rounds the float32 result to one of its two neighbours in the
 storage dtype, the far one with probability |error| / gap, driven by uniforms of the ROUNDING_STREAM words
-(word i & 3 of block i >> 2, keyed by seed and tensor_id) -- the same rule and the same uniforms as the
+(word i & 3 of block i >> 2, keyed by the rounding seed and tensor_id) -- the same rule and the same uniforms as the
 reference's `round_stochastic`, so the expected stored value is the exact float32 sum.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import torch
 import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
-from copes_kernels._shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
+from copes_kernels.backends.triton.shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
-from copes_kernels.triton_rng import (
+from copes_kernels.backends.triton.rng import (
     STREAM_ARGS,
     int64_args,
     lanes_aligned,
@@ -41,7 +42,7 @@ def _accumulate_kernel(
     run_stops_ptr,
     run_first_member_ptr,
     run_end_member_ptr,
-    members_ptr,
+    streams_ptr,
     coeffs_ptr,
     tiles_per_run,
     seed_lo,
@@ -53,16 +54,18 @@ def _accumulate_kernel(
     ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Program = (run, tile of BLOCK counters); run r adds the members [first_member[r], end_member[r])."""
+    """Program = (run, tile of BLOCK counters); run r adds the members [first_member[r], end_member[r]), member j
+    under its own key: streams[j] = (member, key word 0, key word 1). (seed_lo, seed_hi) keys the rounding."""
     lanes: tl.constexpr = 128 // target_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-bit access
     run, first_block, base, lane, mask = run_tile(
         run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, ALIGNED, lanes, BLOCK
     )
     tile_ptr = target_ptr + base
-    paired: tl.constexpr = ALIGNED and lanes == 8  # see triton_rng._element_tile
+    paired: tl.constexpr = ALIGNED and lanes == 8  # see rng._element_tile
     total = tl.load(tile_ptr + lane, mask=mask).to(tl.float32)
     for j in range(tl.load(run_first_member_ptr + run), tl.load(run_end_member_ptr + run)):
-        eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + j), tensor_id, BLOCK, paired)
+        stream = streams_ptr + 3 * j
+        eps = normal_tile(first_block, tl.load(stream + 1), tl.load(stream + 2), tl.load(stream), tensor_id, BLOCK, paired)
         total += tl.load(coeffs_ptr + j) * eps
     if STOCHASTIC:
         rounding_stream = tl.full((), ROUNDING_STREAM_WORD, tl.uint32)
@@ -77,68 +80,65 @@ def _accumulate_kernel(
 
 def _member_segments(
     target: torch.Tensor,
-    members: torch.Tensor,
-    coeffs: torch.Tensor,
+    plan: v.AccumulatePlan,
     *,
     offset: int,
     chunk_subspace: torch.Tensor | None,
-    member_subspaces: torch.Tensor | None,
     chunk_size: int,
 ) -> tuple[torch.Tensor, ...]:
-    """(run starts, run stops, first member, end member, members, coeffs), members sorted by subspace.
+    """(run starts, run stops, first member, end member, member streams, coeffs), members sorted by subspace.
 
     Runs are the chunks of the slice whose subspace owns at least one member (the whole slice without a partition).
     """
-    numel, device = target.numel(), target.device
+    numel, device, count = target.numel(), target.device, plan.streams.shape[0]
     if chunk_subspace is None:
-        bounds = torch.tensor([[offset], [offset + numel], [0], [members.numel()]], dtype=torch.int64, device=device)
-        return (*bounds, members, coeffs)
-    order = torch.argsort(member_subspaces, stable=True)
-    sorted_subspaces = member_subspaces[order].contiguous()
+        bounds = torch.tensor([[offset], [offset + numel], [0], [count]], dtype=torch.int64, device=device)
+        return (*bounds, plan.streams.contiguous(), plan.coeffs)
+    order = torch.argsort(plan.subspaces, stable=True)
+    sorted_subspaces = plan.subspaces[order].contiguous()
     first, last = chunk_span(numel, offset=offset, chunk_size=chunk_size)
     chunk_owner = chunk_subspace[first : last + 1].to(torch.int64)
     first_member = torch.searchsorted(sorted_subspaces, chunk_owner, right=False)
     end_member = torch.searchsorted(sorted_subspaces, chunk_owner, right=True)
     updated = torch.nonzero(end_member > first_member).view(-1)  # the host sync that sizes the launch
     starts, stops = chunk_runs(updated + first, numel=numel, offset=offset, chunk_size=chunk_size)
-    return starts, stops, first_member[updated], end_member[updated], members[order], coeffs[order]
+    return starts, stops, first_member[updated], end_member[updated], plan.streams[order].contiguous(), plan.coeffs[order]
 
 
 def accumulate_(
     target: torch.Tensor,
     *,
-    seed: int,
-    members: Sequence[int] | torch.Tensor,
-    coeffs: Sequence[float] | torch.Tensor,
+    seed: int | None = None,
+    members: Iterable[int] | torch.Tensor,
+    coeffs: Iterable[float] | torch.Tensor,
     tensor_id: int,
     offset: int = 0,
     chunk_subspace: torch.Tensor | None = None,
-    member_subspaces: Sequence[int] | torch.Tensor | None = None,
+    member_subspaces: Iterable[int] | torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     rounding: str = "nearest",
+    seeds: Iterable[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """target[i] += sum_j coeffs[j] * [subspace(chunk(i)) == member_subspaces[j]] * eps_j(offset + i).
+    """target[i] += sum_j coeffs[j] * [subspace(chunk(i)) == member_subspaces[j]] * eps_j(offset + i), in place.
 
-    A tile only regenerates the noise of the members that own its subspace. `rounding="stochastic"` stores
-    bfloat16/float16 targets with unbiased stochastic rounding (keyed by seed and tensor_id).
+    A tile only regenerates the noise of the members that own its subspace, each under its own key (`seeds`) or
+    the one `seed`. `rounding="stochastic"` stores bfloat16/float16 targets with unbiased stochastic rounding.
     """
-    members_t, coeffs_t = v.as_members_and_coeffs(target, members, coeffs)
-    subspaces_t = v.check_accumulate_args(
-        target, seed=seed, members=members_t, tensor_id=tensor_id, offset=offset, chunk_subspace=chunk_subspace,
-        member_subspaces=member_subspaces, chunk_size=chunk_size, rounding=rounding,
+    plan = v.accumulate_plan(
+        target, seed=seed, seeds=seeds, members=members, coeffs=coeffs, tensor_id=tensor_id, offset=offset,
+        chunk_subspace=chunk_subspace, member_subspaces=member_subspaces, chunk_size=chunk_size, rounding=rounding,
     )
-    if target.numel() == 0 or members_t.numel() == 0:
+    if target.numel() == 0 or plan.streams.shape[0] == 0:
         return target
-    starts, stops, first_member, end_member, sorted_members, sorted_coeffs = _member_segments(
-        target, members_t, coeffs_t, offset=offset, chunk_subspace=chunk_subspace, member_subspaces=subspaces_t,
-        chunk_size=chunk_size,
+    starts, stops, first_member, end_member, sorted_streams, sorted_coeffs = _member_segments(
+        target, plan, offset=offset, chunk_subspace=chunk_subspace, chunk_size=chunk_size,
     )
     longest = target.numel() if chunk_subspace is None else min(chunk_size, target.numel())
     tiles, block = noise_tiles_per_run(longest, offset=offset, chunk_size=chunk_size, device=target.device)
     if starts.numel():
-        seed_lo, seed_hi, _, tensor_word = stream_args(seed, 0, tensor_id)
+        seed_lo, seed_hi, _, tensor_word = stream_args(plan.rounding_seed, 0, tensor_id)
         _accumulate_kernel[(starts.numel() * tiles,)](
-            target, starts, stops, first_member, end_member, sorted_members, sorted_coeffs, tiles,
+            target, starts, stops, first_member, end_member, sorted_streams, sorted_coeffs, tiles,
             seed_lo, seed_hi, tensor_word, *int64_args(offset), STOCHASTIC=rounding == "stochastic",
             ALIGNED=lanes_aligned(offset, target.numel(), chunk_size, element_size=target.element_size(), block=block),
             BLOCK=block,

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
-from copes_kernels._shared import store_stochastic_, to_storage
-from copes_kernels.triton_rng import fill_normal_rows_
+from copes_kernels.backends.triton.shared import store_stochastic_, to_storage
+from copes_kernels.backends.triton.rng import fill_normal_rows_
 
 MIN_DOT = 16  # tl.dot's smallest tile side
 # Input columns per step of the projection and output columns per step of the correction: 64 fp32 columns of a
@@ -64,9 +64,9 @@ def _lowrank_correction_kernel(
     """out[b, t, :] += scale * (x[b, t, :] B_m) A_m^T for one row b (member m) and BLOCK_T of its tokens.
 
     The FMA path reduces with tl.reduce over our own combine (tl.sum's is jitted at `import triton`, which may
-    precede the interpreter, see triton_rng.counter_words)."""
+    precede the interpreter, see rng.counter_words)."""
     pid = tl.program_id(0).to(tl.int64)
-    token_tiles = (tokens + BLOCK_T - 1) // BLOCK_T  # not tl.cdiv, a @triton.jit helper (see triton_rng.counter_words)
+    token_tiles = (tokens + BLOCK_T - 1) // BLOCK_T  # not tl.cdiv, a @triton.jit helper (see rng.counter_words)
     row = pid // token_tiles
     token = (pid % token_tiles) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     token_mask = token < tokens

@@ -16,16 +16,16 @@ Nothing here reads device data on the host: sizes come from the table's host-sid
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import torch
 import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
-from copes_kernels._shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
+from copes_kernels.backends.triton.shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
 from copes_kernels.run_tables import RUN_COLUMNS, RunTable, upload
-from copes_kernels.triton_rng import lanes_aligned, normal_tile, stream_args, tile_mask, uniform_tile
+from copes_kernels.backends.triton.rng import lanes_aligned, normal_tile, stream_args, tile_mask, uniform_tile
 
 # Storage dtype -> (Triton float type, integer type of the same width for bit-exact copies).
 _TYPES = {
@@ -48,7 +48,7 @@ def _row_tile(runs_ptr, pointers_ptr, tiles_per_run, BITS: tl.constexpr, ALIGNED
     the backup, the first Philox block, and `tile_mask`'s lanes and mask. ALIGNED: the table's pointers and row
     bounds are 16-byte aligned (RunTable.byte_alignment), so accesses stay 128-bit vectors."""
     lanes: tl.constexpr = 128 // BITS.primitive_bitwidth  # elements per 128-bit access
-    pid = tl.program_id(0)  # int32, as in triton_rng.run_tile
+    pid = tl.program_id(0)  # int32, as in rng.run_tile
     row = runs_ptr + (pid // tiles_per_run) * _RUN_COLUMNS
     tensor = tl.load(row)
     start = tl.load(row + 1)
@@ -76,7 +76,7 @@ def _multi_perturb_kernel(
     bits = tl.load(tile_ptr + lane, mask=mask)
     if BACKUP:
         tl.store(backup_ptr + backup_start + lane, bits, mask=mask)
-    paired: tl.constexpr = ALIGNED and BITS.primitive_bitwidth == 16  # see triton_rng._element_tile
+    paired: tl.constexpr = ALIGNED and BITS.primitive_bitwidth == 16  # see rng._element_tile
     eps = normal_tile(first_block, seed_lo, seed_hi, member, tl.load(ids_ptr + tensor), BLOCK, paired)
     x = bits.to(DTYPE, bitcast=True).to(tl.float32)
     tl.store(tile_ptr + lane, to_storage(x + sigma * eps, DTYPE).to(BITS, bitcast=True), mask=mask)
@@ -92,15 +92,16 @@ def _multi_restore_kernel(
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "tiles_per_run"])
 def _multi_accumulate_kernel(
-    runs_ptr, pointers_ptr, ids_ptr, first_member_ptr, end_member_ptr, members_ptr, coeffs_ptr, partials_ptr,
+    runs_ptr, pointers_ptr, ids_ptr, first_member_ptr, end_member_ptr, streams_ptr, coeffs_ptr, partials_ptr,
     tiles_per_run, seed_lo, seed_hi,
     DTYPE: tl.constexpr, BITS: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Rows of a subspace without members are neither read nor written (their partial is 0)."""
+    """Rows of a subspace without members are neither read nor written (their partial is 0). Member j adds noise
+    under its own key, streams[j] = (member, key word 0, key word 1); (seed_lo, seed_hi) keys the rounding."""
     row, tensor, tile_ptr, _, first_block, lane, mask = _row_tile(
         runs_ptr, pointers_ptr, tiles_per_run, BITS, ALIGNED, BLOCK
     )
-    paired: tl.constexpr = ALIGNED and BITS.primitive_bitwidth == 16  # see triton_rng._element_tile
+    paired: tl.constexpr = ALIGNED and BITS.primitive_bitwidth == 16  # see rng._element_tile
     subspace = tl.load(row + 4)
     first_member = tl.load(first_member_ptr + subspace)
     end_member = tl.load(end_member_ptr + subspace)
@@ -110,7 +111,10 @@ def _multi_accumulate_kernel(
         before = tl.load(tile_ptr + lane, mask=mask).to(DTYPE, bitcast=True).to(tl.float32)
         total = before
         for j in range(first_member, end_member):
-            eps = normal_tile(first_block, seed_lo, seed_hi, tl.load(members_ptr + j), tensor_id, BLOCK, paired)
+            stream = streams_ptr + 3 * j
+            eps = normal_tile(
+                first_block, tl.load(stream + 1), tl.load(stream + 2), tl.load(stream), tensor_id, BLOCK, paired
+            )
             total += tl.load(coeffs_ptr + j) * eps
         if STOCHASTIC:
             rounding_stream = tl.full((), ROUNDING_STREAM_WORD, tl.uint32)
@@ -136,16 +140,16 @@ def _grid(table: RunTable) -> tuple[int, int, bool]:
 
 
 def member_segments(
-    table: RunTable, members_h: torch.Tensor, coeffs_h: torch.Tensor, subspaces_h: torch.Tensor
+    table: RunTable, streams_h: torch.Tensor, coeffs_h: torch.Tensor, subspaces_h: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """(first member, end member) per subspace and the members and coeffs sorted by subspace, on the device, from
-    validated host tensors (the step's plan): one upload for the integers, one for the coeffs."""
+    """(first member, end member) per subspace and the member streams and coeffs sorted by subspace, on the device,
+    from validated host tensors (the step's plan): one upload for the integers, one for the coeffs."""
     order = torch.argsort(subspaces_h, stable=True)
     sorted_subspaces = subspaces_h[order].contiguous()
     every_subspace = torch.arange(table.num_subspaces, dtype=torch.int64)
     first = torch.searchsorted(sorted_subspaces, every_subspace, right=False)
     end = torch.searchsorted(sorted_subspaces, every_subspace, right=True)
-    integers = upload(torch.cat([first, end, members_h[order]]), table.device)
+    integers = upload(torch.cat([first, end, streams_h[order].reshape(-1)]), table.device)
     sorted_coeffs = upload(coeffs_h[order], table.device)
     k = table.num_subspaces
     return integers[:k], integers[k : 2 * k], integers[2 * k :], sorted_coeffs
@@ -181,26 +185,28 @@ def multi_restore_(table: RunTable, backup: torch.Tensor) -> None:
 def multi_accumulate_(
     table: RunTable,
     *,
-    seed: int,
-    members: Sequence[int] | torch.Tensor,
-    coeffs: Sequence[float] | torch.Tensor,
-    member_subspaces: Sequence[int] | torch.Tensor,
+    seed: int | None = None,
+    members: Iterable[int] | torch.Tensor,
+    coeffs: Iterable[float] | torch.Tensor,
+    member_subspaces: Iterable[int] | torch.Tensor | None = None,
     rounding: str = "nearest",
+    seeds: Iterable[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Add the reward-weighted noise of `members` to every tensor of `table` (a table of every chunk: subspace
     None), each run only the members of its own subspace; returns the squared L2 norm of the change as stored."""
-    host = v.check_multi_accumulate_args(
-        table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
+    streams, coeffs_h, subspaces_h, rounding_seed = v.check_multi_accumulate_args(
+        table, seed=seed, seeds=seeds, members=members, coeffs=coeffs, member_subspaces=member_subspaces,
+        rounding=rounding,
     )
-    first_member, end_member, sorted_members, sorted_coeffs = member_segments(table, *host)
+    first_member, end_member, sorted_streams, sorted_coeffs = member_segments(table, streams, coeffs_h, subspaces_h)
     tiles, block, aligned = _grid(table)
     programs = table.num_runs * tiles
     partials = torch.empty(programs, dtype=torch.float64, device=table.device)
     if programs:
         dtype, bits, _ = _TYPES[table.dtype]
-        seed_lo, seed_hi, _, _ = stream_args(seed, 0, 0)
+        seed_lo, seed_hi, _, _ = stream_args(rounding_seed, 0, 0)
         _multi_accumulate_kernel[(programs,)](
-            table.runs, table.pointers, table.ids, first_member, end_member, sorted_members, sorted_coeffs, partials,
+            table.runs, table.pointers, table.ids, first_member, end_member, sorted_streams, sorted_coeffs, partials,
             tiles, seed_lo, seed_hi, DTYPE=dtype, BITS=bits, STOCHASTIC=rounding == "stochastic", ALIGNED=aligned,
             BLOCK=block,
         )

@@ -1,5 +1,5 @@
-"""The Triton helpers the kernel files share beyond the noise (triton_rng): how a float32 result is stored.
-The kernel files (perturb, update, lowrank) import from here, triton_rng, _validate and partition, never from
+"""The Triton helpers the kernel files share beyond the noise (rng.py here): how a float32 result is stored.
+The kernel files (perturb, update, lowrank) import from here, rng, _validate and partition, never from
 each other; like them, this module loads only when a Triton op first runs (TRITON_INTERPRET is set by then).
 
     to_storage          float32 -> storage dtype, round to nearest even, the same bits as torch on every backend
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from copes_kernels.rng import ROUNDING_STREAM
-from copes_kernels.triton_rng import (
+from copes_kernels.backends.triton.rng import (
     STREAM_ARGS,
     blocks_spanned,
     int64_args,

@@ -1,4 +1,12 @@
-"""Pure-torch implementation of every public op: the CPU path and the test oracle for the Triton kernels.
+"""The reference per-tensor ops, in pure torch: the test oracle of the compiled backends (and the CPU fallback).
+
+Their docstrings are the public ops' (`ck.normal` etc. wrap them). The identifiers, as in docs/noise-contract.md:
+`seed` (uint64) keys one stream family -- one per ES step, or one per member with `seeds=` --, `member` (uint32)
+picks a population member's stream, `tensor_id` (uint32, stable per parameter, distinct within a model: e.g.
+`ck.tensor_id_of(name)`) picks the tensor's, and `offset` is the element index of the slice's first element in the
+whole parameter. Tolerances between backends: the Philox words are bit-identical everywhere; the normals agree
+within 2e-6 (compiled CPU) and 1e-5 (Triton on a GPU) of this reference, not bitwise, so a written element is
+within one storage ulp plus |scale| times that. Within one backend every op is deterministic to the bit.
 
 Same signatures as the fused ops. Noise is regenerated per run of selected chunks in tiles of at most
 `NOISE_TILE` elements, so no op ever holds a full-size noise tensor. All math is float32 with one cast at the store.
@@ -7,14 +15,13 @@ Same signatures as the fused ops. Noise is regenerated per run of selected chunk
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from copes_kernels import _validate as v
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE, selected_runs
-from copes_kernels.run_tables import RunTable
 # philox4x32_10 is re-exported as the reference twin of the Triton op: the contract itself is the reference.
 from copes_kernels.rng import ROUNDING_STREAM, normal_stream, philox4x32_10, philox_blocks, words_to_uniform  # noqa: F401
 
@@ -69,6 +76,11 @@ def _store(
 def normal(
     n: int, *, seed: int, member: int, tensor_id: int, offset: int = 0, device: torch.device | str | None = None
 ) -> torch.Tensor:
+    """eps(offset), ..., eps(offset + n - 1) of the stream (seed, member, tensor_id): float32 on `device`.
+
+    The noise every op adds, materialised: element i of a parameter gets eps(i) whichever op, backend, rank or
+    chunking touches it (docs/noise-contract.md). `seed` is a uint64, `member` and `tensor_id` are uint32.
+    """
     v.check_normal_args(n, seed=seed, member=member, tensor_id=tensor_id, offset=offset)
     return normal_stream(n, seed=seed, member=member, tensor_id=tensor_id, offset=offset, device=device)
 
@@ -86,7 +98,11 @@ def perturb_(
     subspace: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> torch.Tensor:
-    """dst[i] = src[i] + sigma * eps(offset + i) on the chunks of `subspace`; nothing else is read or written."""
+    """dst[i] = src[i] + sigma * eps(offset + i) on the chunks of `subspace`; nothing else is read or written.
+
+    eps is the stream of (seed, member, tensor_id) (see `normal`); float32 math, one rounding to dst's dtype.
+    Without a partition (chunk_subspace and subspace None) the whole tensor is perturbed. In place on dst.
+    """
     v.check_perturb_args(
         dst, src, seed=seed, member=member, tensor_id=tensor_id, sigma=sigma, offset=offset,
         chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size,
@@ -104,52 +120,58 @@ def perturb_(
 def accumulate_(
     target: torch.Tensor,
     *,
-    seed: int,
-    members: Sequence[int] | torch.Tensor,
-    coeffs: Sequence[float] | torch.Tensor,
+    seed: int | None = None,
+    members: Iterable[int] | torch.Tensor,
+    coeffs: Iterable[float] | torch.Tensor,
     tensor_id: int,
     offset: int = 0,
     chunk_subspace: torch.Tensor | None = None,
-    member_subspaces: Sequence[int] | torch.Tensor | None = None,
+    member_subspaces: Iterable[int] | torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     rounding: str = "nearest",
+    seeds: Iterable[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """target[i] += sum_j coeffs[j] * [subspace(chunk(i)) == member_subspaces[j]] * eps_j(offset + i).
+    """target[i] += sum_j coeffs[j] * [subspace(chunk(i)) == member_subspaces[j]] * eps_j(offset + i), in place.
 
-    Each run of chunks only regenerates the noise of the members that own its subspace. `rounding="stochastic"`
-    stores bfloat16/float16 targets with unbiased stochastic rounding (keyed by seed and tensor_id).
+    eps_j is the noise stream of (seed, members[j], tensor_id) -- or of (seeds[j], members[j], tensor_id) when
+    `seeds` gives each member its own seed (one pass over the tensor either way). Without a partition
+    (chunk_subspace and member_subspaces None) every member updates the whole tensor. The sum is float32 with one
+    store; `rounding="stochastic"` stores bfloat16/float16 targets with unbiased stochastic rounding, keyed by
+    `seed` (with `seeds`: seed when given, else seeds[0]) and tensor_id. Each run of chunks only regenerates the
+    noise of the members that own its subspace.
     """
-    members_t, coeffs_t = v.as_members_and_coeffs(target, members, coeffs)
-    subspaces_t = v.check_accumulate_args(
-        target, seed=seed, members=members_t, tensor_id=tensor_id, offset=offset, chunk_subspace=chunk_subspace,
-        member_subspaces=member_subspaces, chunk_size=chunk_size, rounding=rounding,
+    plan = v.accumulate_plan(
+        target, seed=seed, seeds=seeds, members=members, coeffs=coeffs, tensor_id=tensor_id, offset=offset,
+        chunk_subspace=chunk_subspace, member_subspaces=member_subspaces, chunk_size=chunk_size, rounding=rounding,
     )
     flat = target.view(-1)
-    groups = [(None, members_t.tolist(), coeffs_t.tolist())] if subspaces_t is None else [
-        (k, members_t[subspaces_t == k].tolist(), coeffs_t[subspaces_t == k].tolist())
-        for k in torch.unique(subspaces_t).tolist()
+    rows = [(member, key0 | key1 << 32, coeff) for (member, key0, key1), coeff in zip(plan.streams.tolist(), plan.coeffs.tolist())]
+    subspaces = None if plan.subspaces is None else plan.subspaces.tolist()
+    groups = [(None, rows)] if subspaces is None else [
+        (k, [row for row, owner in zip(rows, subspaces) if owner == k]) for k in sorted(set(subspaces))
     ]
-    for subspace, group_members, group_coeffs in groups:
+    for subspace, group in groups:
         runs = selected_runs(target.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
         for run_start, run_stop in runs:
             for start, stop in _tiles(run_start, run_stop):
                 total = flat[start:stop].float()
-                for member, coeff in zip(group_members, group_coeffs):
-                    eps = normal_stream(stop - start, seed=seed, member=member, tensor_id=tensor_id, offset=offset + start, device=target.device)
+                for member, member_seed, coeff in group:
+                    eps = normal_stream(stop - start, seed=member_seed, member=member, tensor_id=tensor_id, offset=offset + start, device=target.device)
                     total.add_(eps, alpha=coeff)
-                _store(flat[start:stop], total, rounding=rounding, seed=seed, tensor_id=tensor_id, offset=offset + start)
+                _store(flat[start:stop], total, rounding=rounding, seed=plan.rounding_seed, tensor_id=tensor_id, offset=offset + start)
     return target
 
 
 def backup_chunks(
     src: torch.Tensor,
     *,
-    chunk_subspace: torch.Tensor,
-    subspace: int,
+    chunk_subspace: torch.Tensor | None = None,
+    subspace: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     offset: int = 0,
 ) -> torch.Tensor:
-    """A packed 1-D copy of the elements in `subspace`'s chunks (1/K of the tensor), in element order."""
+    """A packed 1-D copy of the elements in `subspace`'s chunks (1/K of the tensor), in element order; without a
+    partition (chunk_subspace and subspace None), of the whole tensor: the full backup of a K=1 loop."""
     v.check_storage("src", src)
     v.check_chunking(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
     flat = src.view(-1)
@@ -163,8 +185,8 @@ def restore_chunks_(
     dst: torch.Tensor,
     backup: torch.Tensor,
     *,
-    chunk_subspace: torch.Tensor,
-    subspace: int,
+    chunk_subspace: torch.Tensor | None = None,
+    subspace: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     offset: int = 0,
 ) -> torch.Tensor:
@@ -245,64 +267,3 @@ def lowrank_accumulate_(
     updated = v.lowrank_updated(weight, A=A, B=B, coeffs=coeffs, scale=scale, rounding=rounding)
     _store(weight.view(-1), updated.view(-1), rounding=rounding, seed=seed, tensor_id=tensor_id, offset=0)
     return weight
-
-
-# ------------------------------------------------------------------ multi-tensor twins (over the per-tensor ops)
-# They loop over the per-tensor ops through the dispatcher, so on CPU they run whatever per-tensor backend is
-# active; imported lazily because the dispatcher imports this module.
-
-
-def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float, backup: torch.Tensor | None = None) -> None:
-    """Perturb every tensor of `table` on its subspace's chunks, first packing them into `backup` when given."""
-    from copes_kernels import _dispatch as ops
-
-    v.check_multi_perturb_args(table, seed=seed, member=member, sigma=sigma, backup=backup)
-    cursor = 0
-    for tensor, tensor_id, chunk_subspace in zip(table.tensors, table.tensor_ids, table.chunk_subspaces):
-        layout = dict(chunk_subspace=chunk_subspace, subspace=table.subspace, chunk_size=table.chunk_size)
-        if backup is not None:
-            packed = ops.backup_chunks(tensor, **layout)
-            backup[cursor : cursor + packed.numel()].copy_(packed)
-            cursor += packed.numel()
-        ops.perturb_(tensor, seed=seed, member=member, tensor_id=tensor_id, sigma=sigma, **layout)
-
-
-def multi_restore_(table: RunTable, backup: torch.Tensor) -> None:
-    """Write a `multi_perturb_` backup back into its chunks: the exact inverse, bit for bit."""
-    from copes_kernels import _dispatch as ops
-
-    v.check_multi_backup(table, backup)
-    cursor = 0
-    for tensor, chunk_subspace, size in zip(table.tensors, table.chunk_subspaces, table.backup_sizes):
-        ops.restore_chunks_(
-            tensor, backup[cursor : cursor + size], chunk_subspace=chunk_subspace, subspace=table.subspace,
-            chunk_size=table.chunk_size,
-        )
-        cursor += size
-
-
-def multi_accumulate_(
-    table: RunTable,
-    *,
-    seed: int,
-    members: Sequence[int] | torch.Tensor,
-    coeffs: Sequence[float] | torch.Tensor,
-    member_subspaces: Sequence[int] | torch.Tensor,
-    rounding: str = "nearest",
-) -> torch.Tensor:
-    """Add the reward-weighted noise to every tensor of `table`; returns the squared L2 norm of the stored change."""
-    from copes_kernels import _dispatch as ops
-
-    members_h, coeffs_h, subspaces_h = v.check_multi_accumulate_args(
-        table, seed=seed, members=members, coeffs=coeffs, member_subspaces=member_subspaces, rounding=rounding
-    )
-    squared = torch.zeros((), dtype=torch.float64, device=table.device)
-    for tensor, tensor_id, chunk_subspace in zip(table.tensors, table.tensor_ids, table.chunk_subspaces):
-        before = tensor.clone()
-        ops.accumulate_(
-            tensor, seed=seed, members=members_h, coeffs=coeffs_h, tensor_id=tensor_id, chunk_subspace=chunk_subspace,
-            member_subspaces=subspaces_h, chunk_size=table.chunk_size, rounding=rounding,
-        )
-        norm = torch.linalg.vector_norm(tensor.float() - before.float(), dtype=torch.float64)
-        squared += norm * norm
-    return squared

@@ -1,41 +1,35 @@
-"""Backend choice: CUDA tensors run the Triton kernels, CPU tensors the compiled CPU backend (`cpu.py`, numba).
+"""The dispatcher: every public op routed to one backend package (copes_kernels/backends), by where its data lives.
 
-Without numba, CPU tensors fall back to the torch reference. `COPES_BACKEND=cpu` forces the compiled CPU backend
-(its tensors must be on the CPU); `COPES_BACKEND=triton` forces the Triton kernels everywhere (on CPU through Triton's interpreter, which needs
-TRITON_INTERPRET=1 before the kernels are defined: set here when the kernel modules are first imported);
-`COPES_BACKEND=reference` forces the reference, e.g. to bisect a suspected kernel bug.
+CUDA tensors run the Triton backend, CPU tensors the compiled CPU backend (numba), or the torch reference where
+numba is missing. `COPES_BACKEND=cpu` forces the compiled CPU backend (its tensors must be on the CPU);
+`COPES_BACKEND=triton` forces the Triton kernels everywhere (on CPU through Triton's interpreter, which needs
+TRITON_INTERPRET=1 before the kernels are defined: set here when the Triton package is first imported);
+`COPES_BACKEND=reference` forces the reference, e.g. to bisect a suspected kernel bug. Triton launches run with
+the data's GPU as the current device; in-place ops of the compiled backends bump the written tensors' version
+counters. The routing table is derived from `backends.OP_NAMES`, the one list of op names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
+import sys
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from copes_kernels import reference
+from copes_kernels.backends import OP_NAMES
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
-CPU_MODULE = "copes_kernels.cpu"  # every op, under its public name
-
-# Where each op's Triton launcher lives (same name and signature as its reference twin).
-TRITON_MODULES = {
-    "philox4x32_10": "copes_kernels.triton_rng",
-    "normal": "copes_kernels.triton_rng",
-    "perturb_": "copes_kernels.perturb",
-    "backup_chunks": "copes_kernels.perturb",
-    "restore_chunks_": "copes_kernels.perturb",
-    "accumulate_": "copes_kernels.update",
-    "lowrank_factors": "copes_kernels.lowrank",
-    "lowrank_linear": "copes_kernels.lowrank",
-    "lowrank_accumulate_": "copes_kernels.lowrank",
-    "multi_perturb_": "copes_kernels.multi_tensor",
-    "multi_restore_": "copes_kernels.multi_tensor",
-    "multi_accumulate_": "copes_kernels.multi_tensor",
+# The package of each backend; each exports every name in OP_NAMES (imported on first use: numba and triton load
+# only where an op runs on them).
+BACKEND_PACKAGES = {
+    "reference": "copes_kernels.backends.reference",
+    "cpu": "copes_kernels.backends.cpu",
+    "triton": "copes_kernels.backends.triton",
 }
 
 
@@ -102,30 +96,50 @@ def _backend(setting: str, device: torch.device | str | None) -> str:
     return choice
 
 
-def _triton_module(name: str, device: torch.device | str | None) -> ModuleType:
-    module_name = TRITON_MODULES[name]
+def _import_triton_backend(device: torch.device | str | None) -> None:
+    """Import the Triton package, first choosing the interpreter when its data is on the CPU."""
     # Pin fp fusion (a*b + c -> one FMA) to what the kernels were measured and tested with: Triton's default
     # changes in 3.10 (and it warns until then). An explicit TRITON_DEFAULT_FP_FUSION from the user still wins.
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     on_cpu = device is None or torch.device(device).type == "cpu"
-    if on_cpu and module_name not in importlib.sys.modules:
+    if on_cpu and BACKEND_PACKAGES["triton"] not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 (set it before importing copes_kernels)")
-    return importlib.import_module(module_name)
 
 
 @functools.cache
-def _compiled_cpu_op(name: str) -> Callable[..., Any]:
-    """The compiled CPU twin of op `name` (imported on first use: numba loads only if a CPU op runs)."""
-    return getattr(importlib.import_module(CPU_MODULE), name)
+def _backend_op(backend: str, name: str) -> Callable[..., Any]:
+    """Op `name` of one backend package (imported on first use)."""
+    return getattr(importlib.import_module(BACKEND_PACKAGES[backend]), name)
+
+
+def device_guard(device: torch.device | str | None) -> contextlib.AbstractContextManager[Any]:
+    """Make `device` the current CUDA device while a kernel launches on its data: Triton launches on the current
+    device, which need not be the tensors' (a second GPU of a process)."""
+    if device is None:
+        return contextlib.nullcontext()
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _written_tensors(name: str) -> Callable[[tuple[Any, ...]], Any] | None:
+    """What an in-place op (its name ends in `_`) writes: its first argument, or a run table's tensors."""
+    if not name.endswith("_"):
+        return None
+    return (lambda args: args[0].tensors) if name.startswith("multi_") else (lambda args: args[0])
 
 
 def dispatched(
     name: str, device_of: Callable[[tuple[Any, ...], dict[str, Any]], torch.device | str | None]
 ) -> Callable[..., Any]:
-    """The public op `name`: routes each call to the Triton launcher or the reference twin."""
-    reference_op = getattr(reference, name)
+    """The public op `name`: routes each call to the backend its data's device (and COPES_BACKEND) picks.
+
+    The compiled backends write through data pointers, which torch does not see: after their in-place ops the
+    written tensors' version counters are bumped here, as torch's own in-place ops (the reference's) bump them.
+    """
+    reference_op = _backend_op("reference", name)
+    written = _written_tensors(name)
 
     @functools.wraps(reference_op)
     def op(*args: Any, **kwargs: Any) -> Any:
@@ -134,8 +148,14 @@ def dispatched(
         if backend == "reference":
             return reference_op(*args, **kwargs)
         if backend == "cpu":
-            return _compiled_cpu_op(name)(*args, **kwargs)
-        return getattr(_triton_module(name, device), name)(*args, **kwargs)
+            result = _backend_op("cpu", name)(*args, **kwargs)
+        else:
+            _import_triton_backend(device)
+            with device_guard(device):
+                result = _backend_op("triton", name)(*args, **kwargs)
+        if written is not None:
+            torch.autograd.graph.increment_version(written(args))
+        return result
 
     return op
 
@@ -158,15 +178,26 @@ def _device_keyword(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.devi
     return kwargs.get("device")
 
 
-philox4x32_10 = dispatched("philox4x32_10", _first_tensor_device)
-normal = dispatched("normal", _device_keyword)
-perturb_ = dispatched("perturb_", _first_tensor_device)
-backup_chunks = dispatched("backup_chunks", _first_tensor_device)
-restore_chunks_ = dispatched("restore_chunks_", _first_tensor_device)
-accumulate_ = dispatched("accumulate_", _first_tensor_device)
-lowrank_factors = dispatched("lowrank_factors", _device_keyword)
-lowrank_linear = dispatched("lowrank_linear", _first_tensor_device)
-lowrank_accumulate_ = dispatched("lowrank_accumulate_", _first_tensor_device)
-multi_perturb_ = dispatched("multi_perturb_", _table_device)
-multi_restore_ = dispatched("multi_restore_", _table_device)
-multi_accumulate_ = dispatched("multi_accumulate_", _table_device)
+# Where each op's data lives: the first positional tensor, a run table, or the `device` keyword.
+_DEVICE_KEYWORD_OPS = ("normal", "lowrank_factors")
+
+
+def _device_rule(name: str) -> Callable[[tuple[Any, ...], dict[str, Any]], torch.device | str | None]:
+    if name.startswith("multi_"):
+        return _table_device
+    return _device_keyword if name in _DEVICE_KEYWORD_OPS else _first_tensor_device
+
+
+PUBLIC_OPS = {name: dispatched(name, _device_rule(name)) for name in OP_NAMES}
+philox4x32_10 = PUBLIC_OPS["philox4x32_10"]
+normal = PUBLIC_OPS["normal"]
+perturb_ = PUBLIC_OPS["perturb_"]
+backup_chunks = PUBLIC_OPS["backup_chunks"]
+restore_chunks_ = PUBLIC_OPS["restore_chunks_"]
+accumulate_ = PUBLIC_OPS["accumulate_"]
+lowrank_factors = PUBLIC_OPS["lowrank_factors"]
+lowrank_linear = PUBLIC_OPS["lowrank_linear"]
+lowrank_accumulate_ = PUBLIC_OPS["lowrank_accumulate_"]
+multi_perturb_ = PUBLIC_OPS["multi_perturb_"]
+multi_restore_ = PUBLIC_OPS["multi_restore_"]
+multi_accumulate_ = PUBLIC_OPS["multi_accumulate_"]

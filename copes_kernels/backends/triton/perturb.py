@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
-from copes_kernels._shared import noise_tiles_per_run, to_storage
+from copes_kernels.backends.triton.shared import noise_tiles_per_run, to_storage
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
-from copes_kernels.triton_rng import (
+from copes_kernels.backends.triton.rng import (
     STREAM_ARGS,
     int64_args,
     lanes_aligned,
@@ -59,7 +59,7 @@ def _perturb_kernel(
     _, first_block, base, lane, mask = run_tile(
         run_starts_ptr, run_stops_ptr, tiles_per_run, offset_lo, offset_hi, ALIGNED, lanes, BLOCK
     )
-    paired: tl.constexpr = ALIGNED and lanes == 8  # see triton_rng._element_tile
+    paired: tl.constexpr = ALIGNED and lanes == 8  # see rng._element_tile
     eps = normal_tile(first_block, seed_lo, seed_hi, member, tensor_id, BLOCK, paired)
     x = tl.load(src_ptr + base + lane, mask=mask).to(tl.float32)
     tl.store(dst_ptr + base + lane, to_storage(x + sigma * eps, dst_ptr.dtype.element_ty), mask=mask)
@@ -158,7 +158,7 @@ class PackedRuns(NamedTuple):
 
 
 def packed_runs(
-    chunked: torch.Tensor, *, offset: int, chunk_subspace: torch.Tensor, subspace: int, chunk_size: int
+    chunked: torch.Tensor, *, offset: int, chunk_subspace: torch.Tensor | None, subspace: int | None, chunk_size: int
 ) -> PackedRuns:
     starts, stops, longest = selected_chunk_runs(
         chunked.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size,
@@ -188,12 +188,13 @@ def _copy_runs(
 def backup_chunks(
     src: torch.Tensor,
     *,
-    chunk_subspace: torch.Tensor,
-    subspace: int,
+    chunk_subspace: torch.Tensor | None = None,
+    subspace: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     offset: int = 0,
 ) -> torch.Tensor:
-    """A packed 1-D copy of the elements in `subspace`'s chunks (1/K of the tensor), in element order."""
+    """A packed 1-D copy of the elements in `subspace`'s chunks (1/K of the tensor), in element order; without a
+    partition, of the whole tensor."""
     v.check_storage("src", src)
     v.check_chunking(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
     runs = packed_runs(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
@@ -206,8 +207,8 @@ def restore_chunks_(
     dst: torch.Tensor,
     backup: torch.Tensor,
     *,
-    chunk_subspace: torch.Tensor,
-    subspace: int,
+    chunk_subspace: torch.Tensor | None = None,
+    subspace: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     offset: int = 0,
 ) -> torch.Tensor:
