@@ -15,7 +15,7 @@ setup(
     install_requires=[
         "torch>=2.5",  # increment_version of a list of tensors (copes/es/params.py)
         "numpy>=1.24",
-        "numba>=0.60",  # the compiled CPU backend (copes_kernels/cpu.py): LLVM wheels, no compiler needed
+        "numba>=0.60",  # the compiled CPU backend (copes_kernels/backends/cpu): LLVM wheels, no compiler needed
         "safetensors>=0.4",
         "accelerate>=1.0",  # transformers' device_map: a GPU model loads straight onto its device
         "transformers>=5.2",  # the first release with Qwen3.5 (transformers.models.qwen3_5)

@@ -164,7 +164,7 @@ def test_train_runs_a_whole_copes_run_from_python(tmp_path):
     summary = copes.train({"population": 4, "subspaces": 2, "prompt_batch": 4, "steps": 1, "eval_size": 8,
                            "max_new_tokens": 6, "checkpoint_every": 0, "cpu_threads": 1, "output_dir": str(tmp_path)})
     assert summary["steps"] == 1 and summary["eval_after"]["accuracy"] is not None
-    assert {"held_out", "rollout", "update"} <= summary["phase_seconds"].keys()
+    assert {"compile", "held_out", "rollout", "update"} <= summary["phase_seconds"].keys()
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
 
 

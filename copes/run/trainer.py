@@ -193,8 +193,9 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        cfg, started, record = self.cfg, time.perf_counter(), self.record
-        self.budget = Budget(cfg.budget_hours)
+        cfg, record = self.cfg, self.record
+        self.timer.add("compile", self.strategy.space.warm_up())  # a fresh install's numba compile, on its own
+        started, self.budget = time.perf_counter(), Budget(cfg.budget_hours)
         self.peaks_at_start = peak_memory_bytes(self.device)  # loading's high-water mark (~0.5 GiB on CPU)
         if record.journal is None:
             record.start_journal(self.model, self.strategy, resolve_model_path(cfg.model), self.share)
