@@ -387,7 +387,7 @@ class ParameterSpace:
         """Compile (or load from numba's on-disk cache) the CPU backend's kernels for these parameters' dtypes, so
         a fresh install's compile is not charged to the first perturb and update; seconds taken (0.0 on CUDA)."""
         devices = {p.data.device for p in self.parameters}
-        return sum(ck.warm_up({p.dtype for p in self.parameters if p.device == d}, device=d) for d in devices)
+        return sum(ck.warm_up({p.data.dtype for p in self.parameters if p.data.device == d}, device=d) for d in devices)
 
     def synchronize(self) -> None:
         """Wait for queued kernels on every CUDA device holding a parameter (for honest phase timings)."""
