@@ -5,9 +5,12 @@ under EGGROLL, a real update every step, a measured allocation)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -178,3 +181,27 @@ def test_sandbox_throughput_times_a_git_revision_against_this_checkout() -> None
     rows = sandbox_throughput.measure("HEAD", runs_per_round=1, rounds=1)
     assert [row["sandbox"] for row in rows] == ["HEAD", "this"]
     assert rows[0]["ratio_vs_base"] == 1 and all(row["runs_per_s"] > 0 for row in rows)
+
+
+GPU_CHECK_PHASES = ("kernels", "shapes", "generation", "trainer")
+
+
+@pytest.mark.integration
+def test_gpu_check_dry_run_returns_one_tarball_with_a_summary_per_phase(tmp_path: Path) -> None:
+    """bench/gpu_check.sh --cpu-dry-run: every phase's logic on the CPU at small shapes, and of what it writes only
+    one file comes back under $OUT (the device returns few), holding each phase's log and results."""
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(BENCH_DIR / "gpu_check.sh"), "--cpu-dry-run"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OUT": str(out), "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summaries = [line for line in done.stdout.splitlines() if line.startswith("== ")]
+    assert [line.split(":")[0] for line in summaries] == [f"== {p}" for p in (*GPU_CHECK_PHASES, "bundle")]
+    assert all(": passed in " in line for line in summaries[:-1]), done.stdout
+    assert [path.name for path in out.iterdir()] == ["gpu_check.tar.gz"]
+    with tarfile.open(out / "gpu_check.tar.gz") as bundle:
+        names = {Path(name).name for name in bundle.getnames()}
+        shapes = json.loads(bundle.extractfile("./shapes.json").read())
+    assert {f"{p}.{kind}" for p in GPU_CHECK_PHASES for kind in ("log", "json")} | {"summary.txt"} <= names
+    assert shapes["restore"]["device"]["bitwise"] and shapes["restore"]["host"]["bitwise"]
+    assert shapes["perturbed_equal"] and shapes["updated_equal"]
+    assert not list(tmp_path.glob("gpu-check.*")), "the work folder outlived the script"
