@@ -47,8 +47,8 @@ phase() {
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     local start=$SECONDS
-    timeout --kill-after=5 "$limit" "$PYTHON" bench/gpu_check.py "$name" --work "$WORK" "${DRY_RUN[@]}" \
-        >"$WORK/$name.log" 2>&1
+    GPU_CHECK_PHASE_LIMIT_S=$limit timeout --kill-after=5 "$limit" \
+        "$PYTHON" bench/gpu_check.py "$name" --work "$WORK" "${DRY_RUN[@]}" >"$WORK/$name.log" 2>&1
     local rc=$? result=passed
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then result="timeout after ${limit}s"; status=1
     elif [ $rc -ne 0 ]; then result="FAILED (rc $rc)"; status=1
@@ -73,8 +73,8 @@ if [ ${#DRY_RUN[@]} -eq 0 ] && ! "$PYTHON" -c "import sys, torch; sys.exit(not t
     status=1
     bundle
 fi
-phase kernels 190
+phase kernels 170
 phase shapes 90
 phase generation 110
-phase trainer 60
+phase trainer 80
 bundle

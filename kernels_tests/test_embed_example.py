@@ -10,6 +10,7 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "embed_es.py"
 
 
+@pytest.mark.slow
 def test_embedded_es_loop_raises_the_reward(capsys: pytest.CaptureFixture[str]) -> None:
     spec = importlib.util.spec_from_file_location("embed_es", EXAMPLE)
     example = importlib.util.module_from_spec(spec)

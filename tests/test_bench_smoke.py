@@ -70,6 +70,7 @@ def test_alternating_best_seconds_times_every_run_and_rejects_zero_repeats() -> 
         harness.alternating_best_seconds({"a": lambda: None}, repeats=0)
 
 
+@pytest.mark.slow
 def test_step_overhead_times_every_phase_and_the_large_workload_really_updates(checkpoint: Path) -> None:
     tiny = step_overhead.measure_tiny(str(checkpoint), population=4, subspaces=2, prompt_batch=2, steps=1,
                                       overrides={"max_new_tokens": 2})
@@ -118,6 +119,7 @@ def test_memory_backs_up_one_subspace_and_the_exact_modes_restore_exactly() -> N
     assert rows["subtract"]["bound_of_weights"] == "-"
 
 
+@pytest.mark.slow
 def test_sample_efficiency_runs_each_strategy_family_and_plots(checkpoint: Path, tmp_path: Path) -> None:
     settings = {"population": 2, "prompt_batch": 2, "steps": 2, "eval_size": 2, "eval_every": 1, "max_new_tokens": 2}
     curves = [sample_efficiency.run_curve(str(checkpoint), config, 0, settings)
@@ -147,6 +149,7 @@ def test_trailing_mean_averages_the_last_window_points() -> None:
 SMALL_SHAPE_FLAGS = ["--vocab-size", "256", "--hidden-size", "64", "--intermediate-size", "128", "--layers", "4"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("script", "flags", "outputs"), [
     ("step_overhead", ["--tiny-population", "2", "--tiny-prompt-batch", "2", "--tiny-steps", "1", "--subspaces", "2",
                        "--max-new-tokens", "2", "--large-population", "2", "--large-prompt-batch", "1",
