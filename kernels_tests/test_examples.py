@@ -18,6 +18,7 @@ def load_example(name: str) -> ModuleType:
     return example
 
 
+@pytest.mark.slow
 def test_embedded_es_loop_raises_the_reward(capsys: pytest.CaptureFixture[str]) -> None:
     history = load_example("embed_es").evolve(steps=30, log_every=10)
     assert len(history) == 30
@@ -25,6 +26,7 @@ def test_embedded_es_loop_raises_the_reward(capsys: pytest.CaptureFixture[str]) 
     assert "step   20  reward" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_ported_openai_es_loop_raises_the_reward(capsys: pytest.CaptureFixture[str]) -> None:
     """examples/openai_es.py: OpenAI-ES on ck.WeightSet (bf16, one seed per member, stochastic rounding)."""
     history = load_example("openai_es").evolve(iterations=30, log_every=10)

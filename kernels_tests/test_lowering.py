@@ -15,6 +15,7 @@ from kernels_tests.lower_kernels import kernel_cases
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+pytestmark = pytest.mark.slow  # each test compiles every kernel in a subprocess (tens of seconds)
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton build ships no NVIDIA backend (ptxas) to compile with")

@@ -1,5 +1,6 @@
 """Helpers for tests that drive `copes-run` on the embedded tiny model: a small, fast set of flags, running the
-console script in a subprocess (the real entry point, killable with SIGKILL), and reading a run's results."""
+console script in a subprocess (the real entry point, killable with SIGKILL; `integration` tests only) or its
+command in-process (click's runner, for input it refuses), and reading a run's results."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import click.testing
 import torch
 from safetensors.torch import load_file
 
@@ -22,15 +24,25 @@ FAST_FLAGS = [
 MODEL = os.environ.get("COPES_TEST_MODEL", "tiny")
 # Two gloo ranks of a command on this machine, through torch's own launcher.
 TORCHRUN_PAIR = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+# Set by conftest.py before each test: whether it is in a lane that may start copes-run (`integration`, `vllm`).
+INTEGRATION_TEST = True
 
 
 def copes_run(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    assert INTEGRATION_TEST, "this test starts copes-run: mark it @pytest.mark.integration (see docs/testing.md)"
     executable = shutil.which("copes-run")
     assert executable, "copes-run is not on PATH: pip install -e . first"
     return subprocess.run(
         [executable, "--model", MODEL, *FAST_FLAGS, *args], capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def run_in_process(*args: str) -> click.testing.Result:
+    """copes-run's command in this process through click's runner: for runs that stop before training starts."""
+    from copes.cli import run_command
+
+    return click.testing.CliRunner().invoke(run_command, ["--model", MODEL, *FAST_FLAGS, *args])
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

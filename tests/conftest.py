@@ -1,13 +1,37 @@
-"""Fixtures the orchestrator tests share: one torch thread per test module, and the tiny tokenizer / model
-(`tiny_models`) that the rollout, agent and evaluation tests generate with."""
+"""Fixtures the orchestrator tests share: one torch thread per test module, the tiny tokenizer / model
+(`tiny_models`) that the rollout, agent and evaluation tests generate with, and the data folder (`datadir`).
+
+No test reaches the Hugging Face hub: the offline switches are set here, for the whole session and every process
+a test starts, before anything imports huggingface_hub (it reads them once, at import). A test that starts
+`copes-run` must be marked `integration` (cli_runs refuses otherwise), so the default lane stays fast.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
 
-import pytest
-import torch
-from tiny_models import build_tiny_tokenizer, tiny_qwen3
+HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+os.environ.update(HUB_OFFLINE)
+
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import cli_runs  # noqa: E402
+from datadir import DATA_DIR, missing_reason  # noqa: E402
+from timing import seconds  # noqa: E402
+from tiny_models import build_tiny_tokenizer, tiny_qwen3  # noqa: E402
+
+if DATA_DIR.is_dir():  # the copes-run processes and get_task's default read the same folder as the tests
+    os.environ.setdefault("COPES_DATA_DIR", str(DATA_DIR))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the item's fixtures (a module-scoped run is started by the first test that needs it). The vllm lane
+    is one of its own (.ci/run runs it apart), so its runs count as integration too."""
+    cli_runs.INTEGRATION_TEST = any(item.get_closest_marker(lane) for lane in ("integration", "vllm"))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -18,6 +42,23 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The real datasets' folder ($COPES_DATA_DIR, else ../shared/data); the test skips when it is absent."""
+    if not DATA_DIR.is_dir():
+        pytest.skip(missing_reason())
+    return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def sandbox_start_s() -> float:
+    """The seconds a trivial sandbox run takes here and now (the slower of two): the unit the sandbox's
+    deadline tests measure their slack in, so that a loaded machine does not fail them."""
+    from copes.tools import PythonSandbox
+
+    return max(seconds(lambda: PythonSandbox(timeout_s=30.0).run("pass")) for _ in range(2))
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from pathlib import Path
 
 import pytest
+from datadir import DATA_DIR
 from tiny_models import ScriptedPolicy, build_tiny_tokenizer
 
 from copes.rollout.agent import AgentConfig, Trajectory, run_agent
@@ -18,7 +18,7 @@ from copes.run.components import task_corpus
 from copes.tasks import get_task
 from copes.tools import BM25Search, PythonTool, SearchTool
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = DATA_DIR
 QWEN_TURN_MARKER = "<tool_response>"
 TAG_TURN_MARKER = "\n<result>\n"
 

@@ -23,6 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from datadir import DATA_DIR
+from timing import reading_seconds, seconds
 from tiny_models import ScriptedPolicy, build_tiny_tokenizer, tiny_qwen3
 
 from copes.run.evaluation import score_rollouts
@@ -34,7 +36,7 @@ from copes.tools import HttpRetriever, PythonSandbox, PythonTool, SearchError, S
 from copes.tools.sandbox import remove_tree
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data"
+DATA = DATA_DIR
 UNSHARE = shutil.which("unshare")
 SETPRIV = shutil.which("setpriv")
 needs_unshare = pytest.mark.skipif(UNSHARE is None, reason="the unshare tool (util-linux) is not installed")
@@ -152,7 +154,7 @@ def test_memory_limit_holds_for_the_whole_run() -> None:
     assert result.stdout.strip() in ("", "0", "1"), (result.stdout, result.stderr[-500:])
 
 
-def test_disk_quota_holds_for_the_whole_run() -> None:
+def test_disk_quota_holds_for_the_whole_run(sandbox_start_s: float) -> None:
     """Many small files (not one big one, which RLIMIT_FSIZE would stop) end at the run's quota."""
     code = (
         "import os\n"
@@ -171,7 +173,7 @@ def test_disk_quota_holds_for_the_whole_run() -> None:
     assert written <= 8 << 20 and error == errno.ENOSPC
     files = PythonSandbox(timeout_s=30.0, max_files=100).run(code.replace("bytes(64 << 10)", "b''"))
     assert int(files.stdout.split()[1]) == errno.ENOSPC
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 20 * sandbox_start_s  # two runs, each a few MB of small files
 
 
 def test_system_v_ipc_does_not_survive_the_run(sandbox: PythonSandbox) -> None:
@@ -374,6 +376,7 @@ def test_fails_closed_without_whole_run_cgroup_limits() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 @needs_unshare
 @pytest.mark.skipif(os.geteuid() != 0, reason="hiding the cgroup filesystem needs a mount namespace of root")
 @pytest.mark.skipif(not (DATA / "math" / "gsm8k_test.jsonl").exists(), reason="shared GSM8K data not found")
@@ -456,8 +459,10 @@ def test_huge_observations_are_clipped_to_the_token_budget(tokenizer) -> None:
     passage = "word " * (4 << 20)  # a 20 MB passage
     started = time.monotonic()
     text = observation_text(tokenizer, passage, max_tokens=256)
+    took = time.monotonic() - started
     assert len(tokenizer.encode(text, add_special_tokens=False)) <= 256 and "tokens omitted" in text
-    assert time.monotonic() - started < 2.0
+    # Clipping must not tokenize the passage: it costs less than tokenizing a twentieth of it, timed here.
+    assert took < seconds(lambda: tokenizer.encode(passage[: len(passage) // 20], add_special_tokens=False))
 
 
 class _ScriptedFirstTurn:
@@ -587,7 +592,8 @@ def test_hostile_retrieval_servers_become_search_errors(hostile, behaviour: str,
     started = time.monotonic()
     with pytest.raises(SearchError, match=message):
         HttpRetriever(url, timeout_s=1.0, max_response_bytes=1 << 20).search("anything")
-    assert time.monotonic() - started < 2.0, "one deadline for the whole call"
+    # Relative to the deadline under test: a drip feed under per-read timeouts would never end.
+    assert time.monotonic() - started < 2 * 1.0, "one deadline for the whole call"
     assert redirected == []
     observation = SearchTool(HttpRetriever(url, timeout_s=1.0, max_response_bytes=1 << 20)).call({"query": "x"})
     assert observation.startswith("Search error: ")
@@ -609,7 +615,7 @@ def test_answer_extraction_is_linear_on_hostile_output() -> None:
     started = time.monotonic()
     for text in hostile:
         extract_answer(text), format_reward(text, "math"), format_reward(text, "qa")
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 50 * sum(map(reading_seconds, hostile)), "not linear in the input"
     # The three closing braces close the last three openings; the 7997 unclosed ones before are skipped.
     assert last_boxed(hostile[2]) == "\\boxed{\\boxed{\\boxed{7}}}"
 
@@ -627,7 +633,7 @@ def test_tool_call_parsing_is_linear_on_hostile_output() -> None:
         (call,) = parse_tool_calls(text, "qwen", [tool])
         assert not call.valid
     parse_tool_calls(hostile[3], "tags", [tool])
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 50 * sum(map(reading_seconds, hostile)), "not linear in the input"
 
 
 # ---------------------------------------------------------------- containment classes (wave 3)

@@ -5,9 +5,12 @@ under EGGROLL, a real update every step, a measured allocation)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +70,7 @@ def test_alternating_best_seconds_times_every_run_and_rejects_zero_repeats() -> 
         harness.alternating_best_seconds({"a": lambda: None}, repeats=0)
 
 
+@pytest.mark.slow
 def test_step_overhead_times_every_phase_and_the_large_workload_really_updates(checkpoint: Path) -> None:
     tiny = step_overhead.measure_tiny(str(checkpoint), population=4, subspaces=2, prompt_batch=2, steps=1,
                                       overrides={"max_new_tokens": 2})
@@ -115,6 +119,7 @@ def test_memory_backs_up_one_subspace_and_the_exact_modes_restore_exactly() -> N
     assert rows["subtract"]["bound_of_weights"] == "-"
 
 
+@pytest.mark.slow
 def test_sample_efficiency_runs_each_strategy_family_and_plots(checkpoint: Path, tmp_path: Path) -> None:
     settings = {"population": 2, "prompt_batch": 2, "steps": 2, "eval_size": 2, "eval_every": 1, "max_new_tokens": 2}
     curves = [sample_efficiency.run_curve(str(checkpoint), config, 0, settings)
@@ -144,6 +149,7 @@ def test_trailing_mean_averages_the_last_window_points() -> None:
 SMALL_SHAPE_FLAGS = ["--vocab-size", "256", "--hidden-size", "64", "--intermediate-size", "128", "--layers", "4"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("script", "flags", "outputs"), [
     ("step_overhead", ["--tiny-population", "2", "--tiny-prompt-batch", "2", "--tiny-steps", "1", "--subspaces", "2",
                        "--max-new-tokens", "2", "--large-population", "2", "--large-prompt-batch", "1",
@@ -178,3 +184,27 @@ def test_sandbox_throughput_times_a_git_revision_against_this_checkout() -> None
     rows = sandbox_throughput.measure("HEAD", runs_per_round=1, rounds=1)
     assert [row["sandbox"] for row in rows][:2] == ["HEAD", "this"]  # then the Landlock tier, where there is one
     assert rows[0]["ratio_vs_base"] == 1 and all(row["runs_per_s"] > 0 for row in rows)
+
+
+GPU_CHECK_PHASES = ("kernels", "shapes", "generation", "trainer")
+
+
+@pytest.mark.integration
+def test_gpu_check_dry_run_returns_one_tarball_with_a_summary_per_phase(tmp_path: Path) -> None:
+    """bench/gpu_check.sh --cpu-dry-run: every phase's logic on the CPU at small shapes, and of what it writes only
+    one file comes back under $OUT (the device returns few), holding each phase's log and results."""
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(BENCH_DIR / "gpu_check.sh"), "--cpu-dry-run"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OUT": str(out), "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    summaries = [line for line in done.stdout.splitlines() if line.startswith("== ")]
+    assert [line.split(":")[0] for line in summaries] == [f"== {p}" for p in (*GPU_CHECK_PHASES, "bundle")]
+    assert all(": passed in " in line for line in summaries[:-1]), done.stdout
+    assert [path.name for path in out.iterdir()] == ["gpu_check.tar.gz"]
+    with tarfile.open(out / "gpu_check.tar.gz") as bundle:
+        names = {Path(name).name for name in bundle.getnames()}
+        shapes = json.loads(bundle.extractfile("./shapes.json").read())
+    assert {f"{p}.{kind}" for p in GPU_CHECK_PHASES for kind in ("log", "json")} | {"summary.txt"} <= names
+    assert shapes["restore"]["device"]["bitwise"] and shapes["restore"]["host"]["bitwise"]
+    assert shapes["perturbed_equal"] and shapes["updated_equal"]
+    assert not list(tmp_path.glob("gpu-check.*")), "the work folder outlived the script"

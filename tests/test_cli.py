@@ -10,9 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cli_runs import assert_same_weights, copes_run, final_weights, metrics_without_time
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from cli_runs import assert_same_weights, copes_run, final_weights, metrics_without_time, run_in_process
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +22,7 @@ def reference_run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.integration
 def test_run_writes_metrics_summary_curve_and_loadable_checkpoints(reference_run):
     records = [json.loads(line) for line in (reference_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -46,6 +45,7 @@ def test_run_writes_metrics_summary_curve_and_loadable_checkpoints(reference_run
     assert any(r["update_norm"] > 0 for r in records), "the run never changed the weights"
 
 
+@pytest.mark.integration
 def test_resume_continues_bit_exactly(reference_run, tmp_path):
     first = copes_run("--steps", "2", "--checkpoint-every", "1", "--output-dir", str(tmp_path))
     assert first.returncode == 0, first.stderr
@@ -55,6 +55,7 @@ def test_resume_continues_bit_exactly(reference_run, tmp_path):
     assert metrics_without_time(tmp_path) == metrics_without_time(reference_run)
 
 
+@pytest.mark.integration
 def test_two_identical_runs_are_identical(reference_run, tmp_path):
     again = copes_run("--steps", "4", "--checkpoint-every", "1", "--output-dir", str(tmp_path))
     assert again.returncode == 0, again.stderr
@@ -62,6 +63,7 @@ def test_two_identical_runs_are_identical(reference_run, tmp_path):
     assert metrics_without_time(tmp_path) == metrics_without_time(reference_run)
 
 
+@pytest.mark.integration
 def test_config_file_is_overridden_by_flags(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("population: 6\nsubspaces: 3\nsteps: 1\nchunk_size: 512\n")
@@ -115,18 +117,30 @@ BAD_INPUTS = ("unknown task", "unknown algorithm", "missing model", "model witho
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_is_one_sentence_and_status_2(case, tmp_path):
     args, message = _bad_inputs(tmp_path)[case]
-    result = copes_run(*args)
-    assert result.returncode == 2, (result.returncode, result.stderr)
+    result = run_in_process(*args)
+    assert result.exit_code == 2, (result.exit_code, result.stderr, result.exception)
     assert message in result.stderr
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.integration
+def test_bad_input_through_the_console_script_is_one_line_and_status_2(tmp_path):
+    """The same refusal from the installed `copes-run` process: its stderr, exit status and nothing else."""
+    args, message = _bad_inputs(tmp_path)["unknown task"]
+    result = copes_run(*args)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+@pytest.mark.integration
 def test_resume_from_a_different_run_is_refused(reference_run, tmp_path):
     result = copes_run("--steps", "5", "--sigma", "0.5", "--output-dir", str(tmp_path), "--resume", str(reference_run))
     assert result.returncode == 2
     assert "belongs to a different run: sigma=" in result.stderr
 
 
+@pytest.mark.integration
 def test_debug_shows_the_traceback(tmp_path):
     result = copes_run("--sigma", "0", "--output-dir", str(tmp_path), "--debug")
     assert result.returncode != 0 and "Traceback" in result.stderr
@@ -147,6 +161,7 @@ def test_every_config_field_has_a_generated_flag_with_its_help_and_default():
     assert "--restore [device|host|subtract]" in help_text
 
 
+@pytest.mark.integration
 def test_ignored_options_are_named_and_task_options_reach_the_task(tmp_path):
     result = copes_run("--algorithm", "eggroll", "--restore", "host", "--steps", "1", "--eval-size", "0",
                        "--checkpoint-every", "0", "--task-options", "digit_shaping=0.5", "--output-dir", str(tmp_path))

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from cli_runs import copes_run
+from timing import reading_seconds, seconds
 from tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer
 
 from copes.run.evaluation import evaluate
@@ -68,10 +69,11 @@ def test_hostile_answers_are_refused_quickly_without_errors():
         "1 + 2 * 3 " + "= 9 " * 50_000,
         "\x00\ud800\u202e(1 + 2) * 3",
     ]
+    benign = seconds(lambda: countdown_correct("(1 + 2) * 3", [1, 2, 3], 9))
     for answer in hostile:
         start = time.perf_counter()
         assert countdown_correct(answer, [1, 2, 3], 9) is False
-        assert time.perf_counter() - start < 0.1, answer[:40]
+        assert time.perf_counter() - start < 50 * (benign + reading_seconds(answer)), answer[:40]
     assert countdown_correct("(" * 20 + "1 + 2" + ")" * 20 + " * 3", [1, 2, 3], 9) is True  # within the cap
 
 
@@ -137,6 +139,7 @@ def test_scripted_rollout_is_scored_through_evaluate(tmp_path):
     assert result.mean_reward == pytest.approx((4 * 1.0 + 4 * FORMAT_CREDIT) / 8)
 
 
+@pytest.mark.integration
 def test_copes_run_trains_on_countdown_with_a_locally_built_model(tmp_path):
     model = build_tiny_checkpoint(tmp_path / "model")
     out = tmp_path / "run"

@@ -93,6 +93,7 @@ def test_a_rank_that_never_answers_ends_in_a_clear_timeout():
 
 @pytest.mark.parametrize("algorithm, population, subspaces, launch", [
     ("copes", "6", "2", "torchrun"), ("es", "5", "1", "torchrun"), ("copes", "6", "2", "workers")])
+@pytest.mark.integration
 def test_two_processes_match_one_process_bitwise(algorithm, population, subspaces, launch, tmp_path):
     """The console script as 2 gloo ranks — under torchrun, or started by its own --workers 2 — ends with the
     single-process weights and metrics (N=5: an uneven split)."""
@@ -115,6 +116,7 @@ def test_two_processes_match_one_process_bitwise(algorithm, population, subspace
         assert pair.stdout.count("held-out accuracy") == 1, pair.stdout
 
 
+@pytest.mark.integration
 def test_workers_under_torchrun_is_refused_in_one_line(tmp_path):
     from cli_runs import FAST_FLAGS, MODEL, TORCHRUN_PAIR
 

@@ -7,9 +7,9 @@ import itertools
 import json
 import math
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from datadir import DATA_DIR
 from tiny_models import ScriptedPolicy, tiny_qwen3
 
 from copes.run.evaluation import EvalResult, evaluate, format_table, pass_at_k
@@ -17,7 +17,7 @@ from copes.rollout.agent import AgentConfig
 from copes.tasks import Example, Score, TaskBase, get_task
 from copes.tools import PythonTool
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = DATA_DIR
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:

@@ -26,6 +26,7 @@ from copes.modeling import resolve_model_path
 from copes.run.replay import replay_run, replay_steps
 from copes.es.strategies import CoPES
 
+pytestmark = pytest.mark.integration  # nearly every test here reads a copes-run process's journal
 STEPS = ["--steps", "3"]
 POPULATION = 4  # FAST_FLAGS' --population
 

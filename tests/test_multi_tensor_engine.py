@@ -102,6 +102,7 @@ def _member_and_update_counts(es: copes.CoPES, monkeypatch: pytest.MonkeyPatch) 
     return member, update
 
 
+@pytest.mark.slow
 def test_member_and_update_launches_and_syncs_do_not_grow_with_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COPES_BACKEND", "triton")
     with torch.no_grad():

@@ -30,6 +30,7 @@ def _parameters_per_update() -> int:
     return len(list(model.parameters()))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "failpoint",
     [
@@ -60,7 +61,7 @@ HOSTILE_CODE = {
 }
 
 
-def test_hostile_tool_calls_in_a_real_rollout_become_observations(tmp_path):
+def test_hostile_tool_calls_in_a_real_rollout_become_observations(tmp_path, data_dir):
     """A policy that attacks the sandbox in its first turn still gets observations, then answers and is scored."""
     import json
 
@@ -71,7 +72,7 @@ def test_hostile_tool_calls_in_a_real_rollout_become_observations(tmp_path):
     from copes.tools import PythonSandbox, PythonTool
 
     tokenizer = build_tiny_tokenizer(tmp_path)
-    task = get_task("gsm8k")
+    task = get_task("gsm8k", data_dir=data_dir)
     example = task.examples("test", limit=1)[0]
     answer = f"<answer>\\boxed{{{example.golds[0]}}}</answer>"
 

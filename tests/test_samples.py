@@ -14,6 +14,7 @@ from copes.run.samples import SAMPLES_FILE, RolloutSamples
 from copes.tasks import get_task
 
 SAMPLE_PROMPTS = 3
+pytestmark = pytest.mark.integration  # every test here starts copes-run
 
 
 def _records(run_dir: Path) -> list[dict]:

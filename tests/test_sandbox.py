@@ -153,12 +153,12 @@ def test_invalid_constructor_arguments_name_the_argument() -> None:
 # ---------------------------------------------------------------- attacks
 
 
-def test_infinite_loop_is_killed_at_the_wall_clock_timeout() -> None:
+def test_infinite_loop_is_killed_at_the_wall_clock_timeout(sandbox_start_s: float) -> None:
     started = time.monotonic()
     result = PythonSandbox(timeout_s=1.0).run("print('spinning')\nwhile True:\n    pass")
     assert result.timed_out and result.exit_status == -signal.SIGKILL
     assert result.stdout == "spinning\n", "output printed before the kill must survive"
-    assert time.monotonic() - started < 4.0
+    assert time.monotonic() - started < 1.0 + 10 * sandbox_start_s
     _assert_nothing_left_running(result)
 
 
@@ -168,12 +168,12 @@ def test_cpu_limit_kills_with_sigxcpu() -> None:
     assert result.exit_status == -signal.SIGXCPU
 
 
-def test_fork_bomb_is_contained_and_leaves_nothing_behind() -> None:
+def test_fork_bomb_is_contained_and_leaves_nothing_behind(sandbox_start_s: float) -> None:
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     started = time.monotonic()
     result = PythonSandbox(timeout_s=1.5, max_processes=16).run(bomb)
     assert result.timed_out
-    assert time.monotonic() - started < 6.0
+    assert time.monotonic() - started < 1.5 + 10 * sandbox_start_s
     time.sleep(0.2)  # SIGKILL delivery to the namespace is asynchronous
     _assert_nothing_left_running(result)
     assert subprocess.run(["true"], check=False, timeout=10).returncode == 0, (
@@ -205,7 +205,7 @@ def test_process_limit_stops_forking_at_max_processes() -> None:
     _assert_nothing_left_running(result)
 
 
-def test_daemon_that_leaves_the_process_group_dies_with_the_run(sandbox: PythonSandbox) -> None:
+def test_daemon_that_leaves_the_process_group_dies_with_the_run(sandbox: PythonSandbox, sandbox_start_s: float) -> None:
     code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')"
     started = time.monotonic()
     result = sandbox.run(code)
@@ -213,7 +213,7 @@ def test_daemon_that_leaves_the_process_group_dies_with_the_run(sandbox: PythonS
     if not result.enforced("pid_namespace"):
         assert result.isolation["pid_namespace"].startswith("no")
         return
-    assert time.monotonic() - started < 4.0 and not result.timed_out
+    assert time.monotonic() - started < 10 * sandbox_start_s and not result.timed_out
     time.sleep(0.2)
     _assert_nothing_left_running(result)
 
@@ -273,13 +273,13 @@ def test_writes_outside_the_work_dir_are_refused(sandbox: PythonSandbox) -> None
             target.unlink(missing_ok=True)
 
 
-def test_hundred_megabytes_of_output_is_capped_fast() -> None:
+def test_hundred_megabytes_of_output_is_capped_fast(sandbox_start_s: float) -> None:
     rss_before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.monotonic()
     result = PythonSandbox(timeout_s=20.0).run("import sys\nsys.stdout.write('x' * (100 << 20))")
     assert result.output_truncated and not result.timed_out
     assert result.stdout == "x" * (64 << 10)
-    assert time.monotonic() - started < 5.0
+    assert time.monotonic() - started < 10 * sandbox_start_s
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kib < 50 << 10, "caller memory grew"
 
 

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from datadir import DATA_DIR
 
 from copes.run.components import task_corpus
 from copes.tasks import get_task
@@ -25,7 +26,7 @@ from copes.tools import (
     tool_schema,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = DATA_DIR
 QA_DATA = DATA / "qa"
 HOTPOT_DEV = QA_DATA / "hotpotqa_distractor_dev.jsonl"
 HOTPOT_TRAIN = QA_DATA / "hotpotqa_distractor_train.jsonl"

@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from datadir import DATA_DIR, needs_data
 
 from copes.tasks import Example, get_task
 from copes.tasks.loading import DatasetError, default_data_dir, read_rows
 from copes.tasks.math_tasks import MATH_INSTRUCTION
 from copes.tasks.qa_tasks import QA_INSTRUCTION
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-needs_data = pytest.mark.skipif(not DATA_DIR.is_dir(), reason=f"shared data folder not found at {DATA_DIR}")
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -27,6 +27,7 @@ def curves() -> list[vs_grpo.Curve]:
     return vs_grpo.run_jobs(jobs + [vs_grpo.Job("CoPES", 0, None, BUDGET_S, 2, EVAL_SIZE)], workers=1)
 
 
+@pytest.mark.slow
 def test_every_run_is_evaluated_before_and_at_the_end_of_the_same_budget(curves):
     for curve in curves:
         assert curve.seconds[0] == 0.0 and curve.steps >= 1
@@ -37,6 +38,7 @@ def test_every_run_is_evaluated_before_and_at_the_end_of_the_same_budget(curves)
         assert curve.accuracies[0] == curves[0].accuracies[0]  # one starting model, one held-out set
 
 
+@pytest.mark.slow
 def test_table_and_plot(curves, tmp_path):
     rows = vs_grpo.race_rows(curves)
     best = vs_grpo.best_grpo_lr(curves)
@@ -47,6 +49,7 @@ def test_table_and_plot(curves, tmp_path):
     assert (tmp_path / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_grpo_really_trains_the_frozen_model_es_loads(tmp_path):
     from copes.run.trainer import Trainer
 
@@ -103,6 +106,7 @@ def test_memory_of_one_grpo_update_exceeds_one_es_member():
     assert grpo["peak_mib"] > member["peak_mib"] > 0
 
 
+@pytest.mark.slow
 def test_the_default_run_writes_the_race_and_the_memory_measured_beside_it(tmp_path, monkeypatch, capsys):
     import harness
 
