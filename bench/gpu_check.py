@@ -37,13 +37,15 @@ from models import parameter_count, weight_bytes
 REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
 
-# Qwen3.5-4B's text model as its public model card gives it: 32 layers (every 4th full attention, 4 KV heads of
-# 256; the others gated delta-net), hidden 2560, MLP 9216, a 248,320-token vocabulary, tied embeddings.
-QWEN35_4B = dict(
-    hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
-    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-    linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True,
-)
+# Qwen3.5-4B's text model, read from the config fixture the memory plan is tested on (tests/fixtures/qwen3.5-4b,
+# shapes from the public model card): 32 layers (every 4th full attention, 4 KV heads of 256; the others gated
+# delta-net), hidden 2560, MLP 9216, a 248,320-token vocabulary, tied embeddings.
+_QWEN35_4B_CONFIG = json.loads((Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3.5-4b"
+                                / "config.json").read_text())
+QWEN35_4B = {key: _QWEN35_4B_CONFIG["text_config"][key] for key in (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "vocab_size",
+)} | {"tie_word_embeddings": _QWEN35_4B_CONFIG["tie_word_embeddings"]}
 # The same architecture at a width the CPU runs in seconds: one full-attention layer after three delta-net ones.
 QWEN35_TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -375,8 +377,27 @@ def trainer(sizes: Sizes) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- entry point
 
+def vllm(sizes: Sizes) -> dict[str, Any]:
+    """bench/vllm_gpu_check.py on the device: bitwise perturb -> generate -> restore -> generate inside vLLM, and
+    decode tokens/s with CUDA graphs on and off. Skipped (and passed) where vLLM is not installed: a bare device
+    image has none, so this phase needs vLLM's wheels carried. Not part of the CPU dry run (CI's main suite has
+    no vLLM; the vLLM suite runs the same check on CPU)."""
+    if sizes.device != "cuda" or importlib.util.find_spec("vllm") is None:
+        return {"ok": True, "summary": "skipped: vllm is not installed here (or a CPU dry run)"}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models, for its random model
+    import vllm_gpu_check
+
+    with tempfile.TemporaryDirectory() as scratch:
+        found = vllm_gpu_check.run(str(vllm_gpu_check.tiny_model(Path(scratch))), device="cuda", dtype="auto",
+                                   kv_cache_gib=1.0, new_tokens=64)
+    found["ok"] = found["perturb_restore_bitwise"]  # a mismatch raises inside the check: the phase fails
+    found["summary"] = ", ".join(f"{k} {v}" for k, v in found.items() if k not in ("ok",))
+    return found
+
+
 PHASES: dict[str, Callable[[Sizes], dict[str, Any]]] = {
-    "kernels": kernels, "shapes": shapes, "generation": generation, "trainer": trainer,
+    "kernels": kernels, "shapes": shapes, "generation": generation, "trainer": trainer, "vllm": vllm,
 }
 
 

@@ -11,6 +11,8 @@
 #               multi- vs per-tensor equality, member and update times, peak memory, the checksum's peak
 #   generation  HF generate, 64 ragged left-padded rows at L = 1K/2K/4K, 2 turns: peak memory and tokens/s
 #   trainer     copes.train on the device: 2 steps twice (same weights?) and a resume (bitwise?)
+#   vllm        with vLLM installed (carried wheels), whatever budget is left: bitwise perturb -> generate ->
+#               restore -> generate inside the engine, decode tokens/s with CUDA graphs on and off
 #   bundle      every log and result into ONE tarball, $OUT/gpu_check.tar.gz (the only file written to $OUT)
 # stdout: one summary line per phase. Exit status: non-zero if any phase failed or timed out.
 set -uo pipefail
@@ -77,4 +79,5 @@ phase kernels 170
 phase shapes 90
 phase generation 110
 phase trainer 80
+phase vllm 60
 bundle

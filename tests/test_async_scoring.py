@@ -4,6 +4,8 @@ values) and bitwise the same weights as scoring in line, and a kill mid-step sti
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import signal
 import threading
@@ -47,6 +49,7 @@ def test_background_scoring_records_every_member_in_order_with_the_in_line_rewar
     assert all(name.startswith("copes-scoring") for name in threads)
 
 
+@pytest.mark.integration
 def test_overlapped_scoring_gives_the_in_line_journal_and_weights_bitwise(tmp_path):
     in_line, overlapped = tmp_path / "in_line", tmp_path / "overlapped"
     for run_dir, flags in ((in_line, []), (overlapped, ["--overlap-scoring"])):

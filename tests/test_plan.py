@@ -108,6 +108,7 @@ def test_qwen35_4b_with_the_papers_settings_fits_a_24gb_card():
     assert lines["weights"] == 4_205_751_296 * 2 and lines["fp32 masters"] == lines["Adam moments"] == 0
 
 
+@pytest.mark.integration
 def test_cli_plan_without_a_gpu_prints_the_table_for_a_24gb_card():
     result = copes_run("--plan", "--model", str(QWEN35), "--task", "gsm8k", "--device", "cuda")
     assert result.returncode == 0, result.stderr
@@ -122,6 +123,7 @@ def test_plan_names_what_to_change_when_adam_cannot_fit():
     assert not small.fits and "use --rollout-batch" in small.advice
 
 
+@pytest.mark.integration
 def test_a_run_that_cannot_fit_is_refused_before_loading(tmp_path):
     """The model's weights file is garbage: loading it would fail, so the refusal came from the plan, first."""
     model = tmp_path / "qwen3-4b"

@@ -103,6 +103,7 @@ def reference(project) -> Path:
     return project / "reference"
 
 
+@pytest.mark.integration
 def test_a_jsonl_file_with_its_own_fields_trains_with_a_user_reward(reference):
     records = metrics_without_time(reference)
     assert [r["step"] for r in records] == [1, 2]
@@ -116,6 +117,7 @@ def test_a_jsonl_file_with_its_own_fields_trains_with_a_user_reward(reference):
     assert all(len(source["sha256"]) == 64 for source in sources.values())
 
 
+@pytest.mark.integration
 def test_two_workers_import_the_user_modules_and_end_bitwise_the_same(project, reference):
     """Every rank builds the task from a plugin factory and the reward from the module: the weights are bitwise
     those of the one-process run of the same rows and reward."""
@@ -126,6 +128,7 @@ def test_two_workers_import_the_user_modules_and_end_bitwise_the_same(project, r
     assert metrics_without_time(project / "workers") == metrics_without_time(reference)
 
 
+@pytest.mark.integration
 def test_resume_after_a_kill_continues_bitwise(project, reference):
     killed = _run(project, *STEPS, *FILE_TASK, *USER_REWARD, "--output-dir", "killed", env={"COPES_FAILPOINT": "journal@7"})
     assert killed.returncode == -9
@@ -135,6 +138,7 @@ def test_resume_after_a_kill_continues_bitwise(project, reference):
     assert_same_weights(final_weights(project / "killed"), final_weights(reference))
 
 
+@pytest.mark.integration
 def test_a_resume_after_editing_the_reward_module_is_refused_in_one_line(project, reference, tmp_path):
     copy = _write_project(tmp_path / "copy")
     shutil.copytree(reference, copy / "reference")
@@ -147,6 +151,7 @@ def test_a_resume_after_editing_the_reward_module_is_refused_in_one_line(project
     assert len(lines) == 1 and "reward module user_rewards" in lines[0] and "changed" in lines[0], result.stderr
 
 
+@pytest.mark.integration
 def test_a_reward_that_raises_is_invalid_rewards_and_one_warning(project):
     result = _ok(_run(project, *STEPS, *FILE_TASK, "--reward", "user_rewards:broken", "--output-dir", "broken"))
     warnings = [line for line in result.stderr.splitlines() if "reward user_rewards:broken" in line]
@@ -154,6 +159,7 @@ def test_a_reward_that_raises_is_invalid_rewards_and_one_warning(project):
     assert all(r["num_invalid_rewards"] == 4 * 8 for r in metrics_without_time(project / "broken"))
 
 
+@pytest.mark.integration
 def test_a_reward_that_hangs_times_out_into_invalid_rewards(project):
     result = _ok(_run(project, "--steps", "1", "--population", "2", "--subspaces", "1", "--eval-size", "0",
                       *FILE_TASK, "--reward", "user_rewards:hangs", "--reward-timeout-s", "1", "--output-dir", "hangs"))
@@ -162,6 +168,7 @@ def test_a_reward_that_hangs_times_out_into_invalid_rewards(project):
     assert metrics_without_time(project / "hangs")[0]["num_invalid_rewards"] == 2 * 8
 
 
+@pytest.mark.integration
 def test_a_hub_style_dataset_loads_from_a_local_datasets_folder(project, tmp_path):
     datasets = pytest.importorskip("datasets")
     folder = tmp_path / "saved"
@@ -188,6 +195,7 @@ def test_a_hub_style_dataset_loads_from_a_local_datasets_folder(project, tmp_pat
     assert f"dataset folder {folder}" in read_journal(project / "hub").header["user_sources"]
 
 
+@pytest.mark.integration
 def test_an_eval_size_0_run_resumes_and_warns_about_zero_updates_in_plain_lines(project):
     """Every member scores the same (a constant reward): one warning says no update was applied and why; the
     progress goes to the log as plain lines; and the run resumes without a traceback."""
@@ -207,6 +215,7 @@ def test_an_eval_size_0_run_resumes_and_warns_about_zero_updates_in_plain_lines(
     assert [r["step"] for r in metrics_without_time(project / "flat")] == [1, 2, 3]
 
 
+@pytest.mark.integration
 def test_the_example_runs_on_the_embedded_model(tmp_path):
     result = subprocess.run([shutil.which("copes-run"), "--config", "my_task.yaml", "--steps", "2", "--eval-size", "16",
                              "--output-dir", str(tmp_path / "run"), "--quiet"], cwd=EXAMPLE, capture_output=True,
