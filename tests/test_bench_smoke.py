@@ -186,7 +186,7 @@ def test_sandbox_throughput_times_a_git_revision_against_this_checkout() -> None
     assert rows[0]["ratio_vs_base"] == 1 and all(row["runs_per_s"] > 0 for row in rows)
 
 
-GPU_CHECK_PHASES = ("kernels", "shapes", "generation", "trainer")
+GPU_CHECK_PHASES = ("kernels", "shapes", "generation", "trainer", "vllm")
 
 
 @pytest.mark.integration

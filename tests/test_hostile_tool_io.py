@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from datadir import DATA_DIR
 from tiny_models import ScriptedPolicy, build_tiny_tokenizer
 from transformers import AutoTokenizer
 
@@ -30,7 +31,7 @@ from copes.tasks import get_task
 from copes.tools import BM25Search, HttpRetriever, PythonTool, SearchError, SearchTool
 from copes.tools.text import valid_unicode
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = DATA_DIR
 TINY_ASSET = Path(__file__).resolve().parents[1] / "copes" / "assets" / "tiny"
 LONG_DIGITS = "1" * 4400  # past Python's 4300-digit limit for int <-> str
 LONG_NAME = "x" * 3000

@@ -1,5 +1,5 @@
 """Every reward pays one committed answer: an output that hedges (states two candidate answers) never earns more,
-on average, than committing to one of them. Math and QA golds come from the real datasets in ../shared/data.
+on average, than committing to one of them. Math and QA golds come from the real datasets in the tests' data folder (tests/datadir.py).
 
 The hedge forms are the ones a policy finds: two values in one box with the second in prose inside `\\text{...}`,
 two boxes in one answer span, "A or B" as a QA answer, "yes no" on a yes/no question, two countdown expressions.
@@ -12,14 +12,14 @@ from itertools import islice
 from pathlib import Path
 
 import pytest
+from datadir import DATA_DIR, needs_data
 
 from copes.rewards import countdown_correct, format_reward, math_correct, qa_reward, qa_scores
 from copes.tasks import get_task
 from copes.tasks.base import Example
 from copes.tasks.countdown import FORMAT_CREDIT
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data folder not found at {DATA}")
+DATA = DATA_DIR
 PAIRS_PER_DATASET = 12
 
 
