@@ -396,7 +396,11 @@ def test_trainer_start_up_fails_closed_unless_unsafe_is_asked_for(tmp_path: Path
         assert completed.stderr.count("UNSAFE Python sandbox") == 1
     else:
         assert completed.returncode == 2
-        (line,) = completed.stderr.strip().splitlines()
+        # The start-up lines before it (the memory plan's summary, warnings about the task's prompts) are notices;
+        # the refusal itself is one error line, the last, with no traceback.
+        lines = completed.stderr.strip().splitlines()
+        (line,) = [text for text in lines if text.startswith("error:")]
+        assert line == lines[-1] and "Traceback" not in completed.stderr
         assert line.startswith("error: the Python sandbox cannot isolate code on this machine: memory (no:")
         assert "--unsafe-sandbox" in line and not (tmp_path / "run" / "summary.json").exists()
 
