@@ -57,7 +57,7 @@ def test_the_budget_stops_between_members_and_the_step_resumes_bit_exactly(clock
     summary = stopped.train()
     # Members start at t = 0, 1, 2; the one due at t = 3 is past the 2.5 s budget and never starts.
     assert summary["stopped_by"] == "budget" and summary["steps"] == 0 and len(rollouts) == 3
-    assert sorted(stopped.journal.recorded(1)) == [0, 1, 2]
+    assert sorted(stopped.record.journal.recorded(1)) == [0, 1, 2]
 
     resumed, rollouts = _trainer(tmp_path / "stopped", clock)
     resumed.resume(str(tmp_path / "stopped"))

@@ -56,8 +56,9 @@ class Trainer:
         # Under torchrun / --workers each rank builds its own engine on its own device (vLLM's external-launcher mode:
         # copes.rollout.vllm_engine), all ranks at once, as vLLM's engine start is collective over the world.
         device = str(self.dist.device) if self.dist else cfg.device
-        self.plan = check_plan(cfg, device=device, uses_tools=cfg.tools and self.task.chat,  # refuses what cannot fit
-                               say=lambda line: self.is_main and tqdm.write(line, file=sys.stderr))
+        # Refuses what cannot fit before anything loads; its one-line summary is said when training starts, so a
+        # mistake found before then (a journal, a resume, an output option) is still the only line on stderr.
+        self.plan = check_plan(cfg, device=device, uses_tools=cfg.tools and self.task.chat, say=lambda line: None)
         self.model, self.tokenizer, self.device = load_rollout_model(
             cfg.model, engine=cfg.rollout_engine, device=device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads, kv_cache_gib=cfg.vllm_kv_cache_gib,
             max_context_tokens=cfg.max_context_tokens, vllm_cpu_weights=cfg.vllm_cpu_weights)
@@ -200,6 +201,8 @@ class Trainer:
         if record.journal is None:
             record.start_journal(self.model, self.strategy, resolve_model_path(cfg.model), self.share)
         record.open_logs(self.start_step, (self.eval_set or self.train_set)[: cfg.sample_prompts])
+        if self.is_main:
+            tqdm.write(self.plan.summary(), file=sys.stderr)
         if record.eval_before is None:
             record.record_eval_before(self.held_out(step=0))
         stopped_by, step = "steps", self.start_step
