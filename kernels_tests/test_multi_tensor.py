@@ -57,7 +57,8 @@ def test_perturb_and_restore_match_per_tensor_ops(backend: str, device, dtype, s
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("sizes, chunk_size", LAYOUTS, ids=["chunks-1000", "chunks-64K"])
+@pytest.mark.parametrize("sizes, chunk_size", [  # the 64K-chunk layout takes 20-48 s per case on 2 cores: CI only
+    pytest.param(*LAYOUTS[0], id="chunks-1000"), pytest.param(*LAYOUTS[1], id="chunks-64K", marks=pytest.mark.slow)])
 def test_accumulate_matches_per_tensor_op_and_measures_the_norm(backend: str, device, dtype, sizes, chunk_size) -> None:
     tensors, ids, host = make_group(sizes, dtype, device, chunk_size)
     # Subspace 2 has no members: its chunks must stay untouched.

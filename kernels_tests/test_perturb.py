@@ -118,6 +118,7 @@ def special_values(numel: int, dtype: torch.dtype, device: torch.device) -> torc
     return x
 
 
+@pytest.mark.slow  # 20-48 s in the default lane on 2 cores (interpreter-mode Triton); CI runs it
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_restore_is_bit_exact_after_many_cycles(backend: str, device: torch.device, dtype: torch.dtype) -> None:
     # 1000 cycles wherever kernels run at speed; Triton's CPU interpreter pays ~20 ms per program, so it runs 25

@@ -132,6 +132,7 @@ def test_stochastic_store_kernel_matches_reference_bits(device: torch.device, dt
     assert torch.equal(bits(kernel.cpu()), bits(reference.round_stochastic(values, dtype, uniforms)))
 
 
+@pytest.mark.slow  # 200 seeded roundings of 64K values per backend: tens of seconds on 2 cores; CI runs it
 @pytest.mark.parametrize("backend_name", ["reference", "triton"])
 def test_stochastic_rounding_is_unbiased_where_nearest_is_not(backend_name: str, device: torch.device) -> None:
     """Values 0.3 ulp above a bfloat16 number: the mean of 200 independently seeded roundings recovers them."""
