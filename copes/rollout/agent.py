@@ -31,7 +31,7 @@ import numpy as np
 
 from copes.rollout.engine import engine_for
 from copes.rollout.generate import Generation, prompt_token_counts
-from copes.rollout.hf_engine import RowContext
+from copes.rollout.hf_engine import HFEngine, RowContext
 from copes.rollout.templates import (
     TOOL_FORMATS,
     ParsedCall,
@@ -262,6 +262,8 @@ def run_agent(
     calls_made: list[Counter[str]] = [Counter() for _ in trajectories]
     max_turns = config.max_turns if chat else 1
     engine = engine_for(model)
+    if not stop_strings and type(engine) is HFEngine:  # no tool call, no next turn: no row cache worth keeping
+        engine = HFEngine(model, row_caches=False)
     engine.start_rollout()
 
     for turn in range(max_turns):

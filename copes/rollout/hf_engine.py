@@ -155,10 +155,12 @@ class HFEngine:
     """Rollouts on `model`'s forward (see the module docstring); `prefill_chunk_tokens` bounds the positions of
     one prefill forward."""
 
-    def __init__(self, model: Any, *, prefill_chunk_tokens: int = 512) -> None:
+    def __init__(self, model: Any, *, prefill_chunk_tokens: int = 512, row_caches: bool = True) -> None:
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
-        self.model, self.prefill_chunk_tokens = model, prefill_chunk_tokens
+        # row_caches=False: one batched generate_batch call per generate (a rollout with no next turn to keep the
+        # rows' caches for; on a small model per-row prefill is mostly per-call overhead).
+        self.model, self.prefill_chunk_tokens, self.row_caches = model, prefill_chunk_tokens, row_caches
         self._states: dict[int, tuple[list[int], DynamicCache]] = {}
         # transformers 5.x renamed forward's past_key_values to cache (the old name warns, later it goes).
         forward = getattr(model, "forward", None)
@@ -181,7 +183,7 @@ class HFEngine:
             raise ValueError(f"rows has {len(keys)} keys for {len(prompts)} prompts")
         if not prompts:
             return []
-        if not drives(self.model):
+        if not (self.row_caches and drives(self.model)):
             with row_context(keys) if row_context else contextlib.nullcontext():
                 return generate_batch(self.model, tokenizer, prompts, max_new_tokens=limits, greedy=greedy,
                                       temperature=temperature, top_p=top_p, stop_strings=stop_strings, seed=seed)
