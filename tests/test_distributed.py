@@ -74,6 +74,46 @@ def _run(scenario: str, world: int = 2) -> dict:
     return dict(results)
 
 
+HELD_OUT = {"steps": 0, "population": 4, "subspaces": 2, "eval_size": 7, "max_new_tokens": 6, "device": "cpu",
+            "sample_every": 0, "cpu_threads": 1}
+
+
+def _held_out_rank(rank: int, world: int, port: int, out: str, results) -> None:
+    """One rank of a real Trainer's held-out evaluation: which questions this rank rolled out, and the result."""
+    import copes.run.trainer as trainer_module
+    from copes.run.config import build_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    trainer = trainer_module.Trainer(build_config({**HELD_OUT, "output_dir": out}), progress=False)
+    seen, evaluate = [], trainer_module.evaluate
+
+    def recording_evaluate(model, tokenizer, task, examples, **options):
+        seen.append([example.id for example in examples])
+        return evaluate(model, tokenizer, task, examples, **options)
+
+    trainer_module.evaluate = recording_evaluate
+    results[rank] = (seen, trainer.held_out(step=0))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned ranks and a third trainer: ~25 s on 2 cores
+def test_held_out_evaluation_is_sharded_across_ranks_and_merged(tmp_path):
+    """Each of 2 ranks rolls out its contiguous share of the 7 held-out questions (4 + 3), and every rank gets
+    the merged result, the one a single process gets."""
+    from copes.run.config import build_config
+    from copes.run.trainer import Trainer
+
+    results = mp.Manager().dict()
+    mp.spawn(_held_out_rank, args=(2, _free_port(), str(tmp_path / "pair"), results), nprocs=2, join=True)
+    single = Trainer(build_config({**HELD_OUT, "output_dir": str(tmp_path / "single")}), progress=False)
+    everyone = [example.id for example in single.eval_set]
+    (seen_0, record_0), (seen_1, record_1) = results[0], results[1]
+    assert (seen_0, seen_1) == ([everyone[:4]], [everyone[4:]])
+    assert record_0 == record_1 == single.held_out(step=0)
+    assert record_0["questions"] == 7
+
+
 def test_rewards_of_an_uneven_split_are_gathered_in_member_order():
     results = _run("gather")
     expected = [[float(m), 10.0 * m] for m in range(5)]

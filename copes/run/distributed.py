@@ -159,6 +159,13 @@ def check_in_sync(model: torch.nn.Module, step: int) -> None:
         raise DistributedError(f"step {step}: weights of rank(s) {diverged} diverged from rank 0's")
 
 
+def gather_values(value: Any, step: int) -> list[Any]:
+    """Every rank's `value`, in rank order, on every rank (e.g. each rank's share of a held-out evaluation)."""
+    values: list[Any] = [None] * dist.get_world_size()
+    _collective("gathering from every rank", step, lambda: dist.all_gather_object(values, value))
+    return values
+
+
 def barrier(step: int) -> None:
     _collective("waiting for the other ranks", step, dist.barrier)
 

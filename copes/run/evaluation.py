@@ -170,6 +170,17 @@ def evaluate(
     return _summarize(task.name, records, n_samples, ks, time.perf_counter() - started)
 
 
+def merge_results(parts: Sequence[EvalResult | None]) -> EvalResult:
+    """One result from the results of disjoint shares of a task's examples (ranks' shares, in rank order; None for
+    a share with no examples), as if one evaluation had covered them all; its wall time is the slowest share's."""
+    done = [part for part in parts if part is not None]
+    if not done:
+        raise ValueError("no share of the examples was evaluated")
+    first = done[0]
+    return _summarize(first.task, [record for part in done for record in part.records], first.n_samples,
+                      tuple(first.pass_at_k), max(part.wall_seconds for part in done))
+
+
 def format_table(results: dict[str, EvalResult]) -> str:
     """A Markdown table, one row per benchmark: accuracy, reward, pass@k, tool use, tokens, time."""
     ks = sorted({k for result in results.values() for k in result.pass_at_k})

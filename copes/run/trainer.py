@@ -25,9 +25,9 @@ from copes.run.budget import Budget, BudgetSpent
 from copes.run.components import (GivenParts, batch_indices, build_agent, build_strategy, build_tools, eval_examples,
                                    split_given, task_from_config, warn_at_start)
 from copes.run.config import TrainConfig, build_config
-from copes.run.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, init_distributed,
-                                   members_for_rank)
-from copes.run.evaluation import evaluate
+from copes.run.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, gather_values,
+                                   init_distributed, members_for_rank)
+from copes.run.evaluation import evaluate, merge_results
 from copes.run.plan import check_plan
 from copes.run.metrics import PhaseTimer, peak_memory_bytes, progress_bar, zero_update_warning
 from copes.run.record import RunRecord
@@ -167,11 +167,18 @@ class Trainer:
 
     # ---- around the steps ------------------------------------------------------------------------------------
     def held_out(self, step: int) -> dict[str, Any]:
-        if not self.eval_set or self.budget.spent():
+        """The held-out evaluation, each rank rolling out its contiguous share of the questions (merged in rank
+        order: the result one process gets, greedy tokens up to batch-composition rounding)."""
+        if not self.eval_set or self.share(self.budget.spent(), step):
             return {"step": step, "accuracy": None, "reward": None}
+        rank, world = (self.dist.rank, self.dist.world_size) if self.dist else (0, 1)
+        questions = [self.eval_set[i] for i in members_for_rank(len(self.eval_set), rank, world)]
         with self.timer("held_out"):
-            result = evaluate(self.model, self.tokenizer, self.task, self.eval_set, tools=self.tools,
-                              agent_config=self.agent, progress=False, deadline=self.budget.deadline)
+            result = evaluate(self.model, self.tokenizer, self.task, questions, tools=self.tools,
+                              agent_config=self.agent, progress=False,
+                              deadline=self.budget.deadline) if questions else None
+            if self.dist:
+                result = merge_results(gather_values(result, step))
         record = {"step": step, "accuracy": result.accuracy, "reward": result.mean_reward, "questions": result.n_examples}
         self.record.evals.append(record)
         return record
