@@ -73,14 +73,19 @@ def records_through_step(path: Path, keep_through_step: int) -> list[dict[str, A
     return kept
 
 
-def start_wandb(project: str, run_dir: Path, config: dict[str, Any]) -> Any:
-    """A Weights & Biases run writing under `run_dir/wandb`; with WANDB_MODE=offline it needs no network (upload it
-    later with `wandb sync`)."""
+def import_wandb() -> Any:
+    """The wandb module, or the one line saying how to install it (asked before the model loads, not after)."""
     try:
         import wandb
     except ImportError:
         raise UserError("W&B logging needs the wandb package: pip install 'copes[wandb]'") from None
-    return wandb.init(project=project, name=run_dir.name, dir=str(run_dir), config=config)
+    return wandb
+
+
+def start_wandb(project: str, run_dir: Path, config: dict[str, Any]) -> Any:
+    """A Weights & Biases run writing under `run_dir/wandb`; with WANDB_MODE=offline it needs no network (upload it
+    later with `wandb sync`)."""
+    return import_wandb().init(project=project, name=run_dir.name, dir=str(run_dir), config=config)
 
 
 def log_table(run: Any, name: str, records: list[dict[str, Any]], step: int) -> None:

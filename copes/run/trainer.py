@@ -29,7 +29,7 @@ from copes.run.distributed import (barrier, broadcast_value, check_in_sync, gath
                                    init_distributed, members_for_rank)
 from copes.run.evaluation import evaluate, merge_results
 from copes.run.plan import check_plan
-from copes.run.metrics import PhaseTimer, peak_memory_bytes, progress_bar, zero_update_warning
+from copes.run.metrics import PhaseTimer, import_wandb, peak_memory_bytes, progress_bar, zero_update_warning
 from copes.run.record import RunRecord
 from copes.run.replay import replay_member, replays_members
 from copes.run.scoring import MemberScoring, roll_out, rollouts
@@ -47,6 +47,8 @@ class Trainer:
         cfg = self.cfg
         self.dist = init_distributed(cfg.device, timeout_s=cfg.dist_timeout_s)
         self.is_main = self.dist is None or self.dist.is_main  # only rank 0 writes logs and checkpoints
+        if cfg.wandb and self.is_main:
+            import_wandb()  # a missing package is said before anything loads
         self.record = RunRecord(cfg, writer=self.is_main)
         self.task = task_from_config(cfg, self.given)
         self.train_set = self.task.examples("train")
