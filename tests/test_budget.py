@@ -66,6 +66,25 @@ def test_the_budget_stops_between_members_and_the_step_resumes_bit_exactly(clock
     assert_same_weights(final_weights(tmp_path / "stopped"), final_weights(tmp_path / "reference"))
 
 
+def test_the_steps_leave_the_final_evaluation_the_time_the_first_one_took(clock, tmp_path, monkeypatch):
+    """A held-out evaluation takes 2 s here: with a 5.5 s budget the steps stop at 3.5 s (members start at 2 and
+    3), and the final evaluation still runs over every question (without the reservation the members would run
+    on to 6 s and the run would end with no accuracy after training)."""
+    import copes.run.trainer
+
+    evaluate = copes.run.trainer.evaluate
+
+    def two_seconds(*args, **kwargs):
+        clock.now += 2.0
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(copes.run.trainer, "evaluate", two_seconds)
+    trainer, rollouts = _trainer(tmp_path / "run", clock, budget_hours=5.5 / 3600, eval_size=4)
+    summary = trainer.train()
+    assert summary["stopped_by"] == "budget" and len(rollouts) == 2
+    assert summary["eval_after"]["questions"] == 4 and summary["eval_after"]["accuracy"] is not None
+
+
 def test_a_held_out_evaluation_past_the_deadline_starts_no_further_batch(clock):
     from copes.modeling import load_model
     from copes.rollout import AgentConfig

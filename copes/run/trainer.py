@@ -168,10 +168,11 @@ class Trainer:
         self.record.samples.add(members, per_member)
 
     # ---- around the steps ------------------------------------------------------------------------------------
-    def held_out(self, step: int) -> dict[str, Any]:
+    def held_out(self, step: int, final: bool = False) -> dict[str, Any]:
         """The held-out evaluation, each rank rolling out its contiguous share of the questions (merged in rank
-        order: the result one process gets, greedy tokens up to batch-composition rounding)."""
-        if not self.eval_set or self.share(self.budget.spent(), step):
+        order: the result one process gets, greedy tokens up to batch-composition rounding). Past the steps' budget
+        only the `final` one runs, in the time kept for it (past the whole budget: its first batch only)."""
+        if not self.eval_set or (not final and self.share(self.budget.spent(), step)):
             return {"step": step, "accuracy": None, "reward": None}
         rank, world = (self.dist.rank, self.dist.world_size) if self.dist else (0, 1)
         questions = [self.eval_set[i] for i in members_for_rank(len(self.eval_set), rank, world)]
@@ -213,7 +214,8 @@ class Trainer:
         if self.is_main:
             tqdm.write(self.plan.summary(), file=sys.stderr)
         if record.eval_before is None:
-            record.record_eval_before(self.held_out(step=0))
+            with self.budget.reserve_as_long_as():
+                record.record_eval_before(self.held_out(step=0))
         stopped_by, step = "steps", self.start_step
         bar = progress_bar(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}",
                            initial=self.start_step, total=cfg.steps, enabled=self.progress and self.is_main)
@@ -243,7 +245,7 @@ class Trainer:
                 stopped_by = "budget"  # rank 0's clock decides for everyone
                 break
         completed = step + 1 if cfg.steps > self.start_step else self.start_step
-        eval_after = self.held_out(step=completed)
+        eval_after = self.held_out(step=completed, final=True)
         if record.saved_step != completed:
             self.save(completed)
         return self.summary(eval_after, completed, stopped_by, time.perf_counter() - started)
