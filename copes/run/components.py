@@ -23,6 +23,7 @@ from copes.tasks.plugins import RewardSpec, build_task, with_rewards
 if TYPE_CHECKING:  # the strategies, the rollout code (and torch) load only when a run builds them
     from copes.es.strategies.base import Strategy
     from copes.rollout import AgentConfig
+    from copes.rollout.vllm_lora import LoRASlots
 
 
 def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
@@ -40,9 +41,38 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
     if algorithm.low_rank:
         common["rank"] = cfg.rank
     try:
-        return getattr(strategies, algorithm.strategy)(model, **common)
+        strategy = getattr(strategies, algorithm.strategy)(model, **common)
+        unreachable = _lora_unreachable(model, strategy) if algorithm.low_rank else []
+        if unreachable:  # the same targets as the hf engine given this --exclude
+            print(f"notice: {cfg.algorithm} on vLLM leaves {', '.join(unreachable)} unperturbed (a LoRA adapter "
+                  "cannot carry a tied embedding); --exclude it for the same targets on --rollout-engine hf",
+                  file=sys.stderr)
+            common["exclude"] = [*cfg.exclude, *unreachable]
+            strategy = getattr(strategies, algorithm.strategy)(model, **common)
+        return strategy
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def _lora_unreachable(model: Any, strategy: Any) -> list[str]:
+    """The low-rank targets the model's rollout engine cannot apply as LoRA adapters (vLLM only; none on hf)."""
+    from copes.rollout.engine import engine_for
+
+    engine = engine_for(model)
+    if not hasattr(engine, "lora_unreachable"):
+        return []
+    return engine.lora_unreachable({m.param.name: ([name for name, _ in m.linears], [name for name, _ in m.embeddings])
+                                    for m in strategy.matrices})
+
+
+def rollout_lora(cfg: TrainConfig, ranks: int) -> LoRASlots | None:
+    """The vLLM engine's LoRA settings: one adapter per member of a rank's share of a low-rank population (the
+    largest share: members_for_rank's sizes differ by at most one); None for hf and the per-member algorithms."""
+    if cfg.rollout_engine != "vllm" or not ALGORITHMS_BY_NAME[cfg.algorithm].low_rank:
+        return None
+    from copes.rollout.vllm_lora import LoRASlots
+
+    return LoRASlots(adapters=-(-cfg.population // ranks), rank=cfg.rank)
 
 
 @dataclass(frozen=True)
