@@ -11,10 +11,11 @@ update, through the same HF-named views as CoPES.
 Nothing touches the disk: the adapter tensors are handed to the in-process worker, whose LoRA manager loads an
 adapter of ours from them (`CoPESWorkerExtension.copes_serve_adapters`) instead of from a PEFT folder.
 
-Identity: vLLM keys its prefix cache by adapter name, so each (step noise, member) gets a fresh id and name from a
+Identity: vLLM keys its prefix cache by adapter name, so each (step's noise, member) gets a fresh id and name from a
 counter that never repeats in an engine's life: KV computed under another member's or another step's adapter is
-never served. When a step with new noise starts, the previous step's adapters are removed from the engine, so
-adapter memory is one step's population.
+never served. A step's noise is told by identity (`RoutedRows.noise`, one list object per step, held here until
+the next so it cannot be freed and its id reused). When new noise arrives, the previous adapters are removed from
+the engine, so adapter memory is one step's population.
 
 Reach: vLLM's LoRA reaches its linear layers (qkv / o / gate_up / down projections under HF names q_proj ...), not
 a tied embedding (a tied lm_head is the embedding matrix: its per-row correction also enters the input lookup, which
@@ -58,9 +59,10 @@ class LoRASlots:
 class Routing(Protocol):
     """The data a `row_members(...)` block yields (copes.es.strategies.row_routing.RoutedRows)."""
 
-    noise_key: tuple[int, int]
+    step: int
     member_of_row: torch.Tensor
     scale: float
+    noise: Any
 
     def member_factors(self, member: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]: ...
 
@@ -90,7 +92,7 @@ class MemberAdapters:
         self.llm, self.slots = llm, slots
         self.store: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
         self._ids = itertools.count(1)
-        self._noise_key: tuple[int, int] | None = None
+        self._noise: tuple[Any, float] | None = None  # the routed noise (and scale) the current adapters carry
         self._requests: dict[int, Any] = {}  # member -> this step's LoRARequest
         self.adapters_built = 0
         llm.collective_rpc("copes_serve_adapters", args=(self.store,))
@@ -103,20 +105,19 @@ class MemberAdapters:
         members = [int(m) for m in routing.member_of_row.tolist()]
         if len(members) != rows:
             raise ValueError(f"row_members routes {len(members)} rows, the generate call has {rows}")
-        if routing.noise_key != self._noise_key:
+        if self._noise is None or routing.noise is not self._noise[0] or routing.scale != self._noise[1]:
             self.retire()
-            self._noise_key = routing.noise_key
-        distinct = set(members) - set(self._requests)
+            self._noise = (routing.noise, routing.scale)
         if len(set(members)) > self.slots.adapters:
             raise ValueError(f"one generate call mixes {len(set(members))} members; the engine was started for "
                              f"{self.slots.adapters} adapters")
-        for member in sorted(distinct):
+        for member in sorted(set(members) - set(self._requests)):
             factors = routing.member_factors(member)
             rank = next(iter(factors.values()))[0].shape[-1] if factors else self.slots.rank
             lora_id = next(self._ids)
-            step, _ = routing.noise_key
             self.store[lora_id] = (adapter_tensors(factors, routing.scale), rank)
-            self._requests[member] = LoRARequest(f"copes-step{step}-member{member}-id{lora_id}", lora_id, MEMORY_PATH)
+            self._requests[member] = LoRARequest(f"copes-step{routing.step}-member{member}-id{lora_id}", lora_id,
+                                                 MEMORY_PATH)
             self.adapters_built += 1
         return [self._requests[member] for member in members]
 

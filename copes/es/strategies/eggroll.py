@@ -167,9 +167,8 @@ class _LowRankES(ESBase):
             raise ValueError(f"member_of_row values must lie in [0, {self.population}), got {rows.tolist()}")
         self._active_rows = True
         try:
-            plan = self.plan()
             with route_rows(self.matrices, self._noise, rows.to(torch.int64), sigma=self.sigma_k,
-                            factor_norm=self.factor_norm, noise_key=(plan.step, plan.seed)) as routed:
+                            factor_norm=self.factor_norm, step=self.plan().step) as routed:
                 yield routed
         finally:
             self._active_rows = False

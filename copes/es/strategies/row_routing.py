@@ -48,9 +48,10 @@ class MatrixNoise:
 class RoutedRows:
     """What `route_rows` yields: which member each batch row is, and each member's factors by module name.
 
-    `noise_key` names this step's noise (step, seed): two blocks with equal keys route the same perturbations."""
+    `noise` is the step's list of factors itself, made once per step and never changed: two blocks whose `noise` is
+    the same object (and `scale` equal) route the same perturbations. `step` is for people (adapter names)."""
 
-    noise_key: tuple[int, int]
+    step: int
     member_of_row: torch.Tensor  # [rows] int64
     scale: float  # sigma_k / sqrt(r): member j's weight is W + scale * A_j B_j^T
     matrices: list[LowRankMatrix]
@@ -106,7 +107,7 @@ def find_matrices(model: nn.Module, targets: list[TrainableParameter]) -> list[L
 @contextlib.contextmanager
 def route_rows(
     matrices: list[LowRankMatrix], noise: list[MatrixNoise], member_of_row: torch.Tensor, *, sigma: float,
-    factor_norm: float, noise_key: tuple[int, int],
+    factor_norm: float, step: int,
 ) -> Iterator[RoutedRows]:
     """Inside the block, batch row b of every forward uses member `member_of_row[b]`'s perturbation (already
     validated by the caller, int64). `sigma` is sigma_k; A_j B_j^T is divided by `factor_norm` (sqrt(r)) in the
@@ -119,7 +120,7 @@ def route_rows(
                 undo.append(_route_linear(name, linear, matrix_noise, slots, sigma))
             for name, embedding in matrix.embeddings:
                 undo.append(_perturb_embedding(name, embedding, matrix_noise, slots, sigma / factor_norm).remove)
-        yield RoutedRows(noise_key, member_of_row, sigma / factor_norm, matrices, noise)
+        yield RoutedRows(step, member_of_row, sigma / factor_norm, matrices, noise)
     finally:
         for restore in reversed(undo):
             restore()
