@@ -163,3 +163,28 @@ def test_copes_run_eggroll_on_vllm_matches_hf_and_resumes_bitwise(tmp_path: Path
     assert result.returncode == 0, result.stderr
     assert_same_weights(final_weights(killed), final_weights(straight))
     assert metrics_without_time(killed) == metrics_without_time(straight)
+
+
+def test_packed_weights_are_repacked_after_an_update(engines: tuple[torch.nn.Module, torch.nn.Module, object]) -> None:
+    """With LoRA on, each linear layer is packed once (the base layer, not also its LoRA wrapper), and an update
+    repacks exactly the layers it wrote, so the next rollout runs on the updated weights."""
+    _, reference, tokenizer = engines
+    packed, _, _ = load_rollout_model(str(EMBEDDED_MODEL_DIR), engine="vllm", dtype="float32", cpu_threads=1,
+                                      kv_cache_gib=KV_CACHE_GIB, vllm_cpu_weights="packed",
+                                      lora=LoRASlots(POPULATION, RANK))
+    engine = engine_for(packed)
+    layers = set(engine.packed_weights.layers)  # vLLM's fused layers (qkv_proj, gate_up_proj) and the tied lm_head
+    assert all(name.endswith(".base_layer") for name in layers - {"lm_head"}) and len(layers) == 4 * 4 + 1
+    on_vllm, on_hf = STRATEGIES["eggroll"](packed), STRATEGIES["eggroll"](reference)
+    originals = {name: p.clone() for name, p in reference.named_parameters()}
+    try:
+        assert engine.repack_changed_weights() == len(layers)  # first packs
+        for strategy in (on_vllm, on_hf):
+            strategy.evaluate(lambda model, rows: torch.zeros(POPULATION))
+            strategy.apply_update(torch.arange(POPULATION, dtype=torch.float64))
+        assert engine.repack_changed_weights() == len(layers) - 1  # all but the tied lm_head (not a target)
+        assert population_rollouts(on_vllm, packed, tokenizer)[0] == population_rollouts(on_hf, reference, tokenizer)[0]
+    finally:
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                param.copy_(originals[name])

@@ -73,9 +73,11 @@ class PackedLinearWeights:
         def runs_gemms(module: torch.nn.Module) -> bool:  # an input embedding has a cpu_linear it never calls
             return not isinstance(module, VocabParallelEmbedding) or isinstance(module, ParallelLMHead)
 
+        # A LoRA wrapper (engine started with LoRA: copes.rollout.vllm_lora) shows its base layer's weight and
+        # cpu_linear; the base layer is the one that runs the GEMM, and it is listed on its own.
         self.layers = {name: module for name, module in vllm_model.named_modules()
                        if getattr(module, "cpu_linear", None) is F.linear and module.weight.ndim == 2
-                       and runs_gemms(module)}
+                       and runs_gemms(module) and not hasattr(module, "base_layer")}
         self._packed_versions: dict[str, int] = {}  # layer name -> its weight's version when it was packed
         self._dispatch = _vllm_linear_dispatch()
         self.repacked_layers = 0  # layer packs so far, first packs included
