@@ -8,10 +8,12 @@ embedding excluded on both):
   another, and no logit tie turned up; a tie would show as one row differing, and this test would name it);
 - one generate call carries every member; adapter ids and names never repeat across members or steps, and a new
   step's noise removes the previous step's adapters from the engine;
-- `copes-run --algorithm eggroll --rollout-engine vllm` (packed CPU weights, the default: repacked after every
-  update) ends 3 steps with the HF path's weights bit for bit and the same metrics: the update depends on the
-  rewards and the noise contract only, so equal rewards give equal bits, and tolerance 0 is the justified one;
-  killed half-way through step 2's update and resumed, it ends bitwise where the uninterrupted run ends.
+- a packed engine (CPU weights repacked after a write) packs each layer once with LoRA on and repacks exactly the
+  layers an update wrote;
+- `copes-run --algorithm eggroll --rollout-engine vllm --workers 2` (packed CPU weights, the default) ends 3 steps
+  with the HF path's weights bit for bit and the same metrics: the update depends on the rewards and the noise
+  contract only, so equal rewards give equal bits, and tolerance 0 is the justified one; a one-process run killed
+  half-way through step 2's update and resumed ends bitwise there too.
 """
 
 from __future__ import annotations
@@ -143,14 +145,15 @@ def test_adapter_ids_never_repeat_and_old_steps_are_removed(
 
 @pytest.mark.integration
 def test_copes_run_eggroll_on_vllm_matches_hf_and_resumes_bitwise(tmp_path: Path) -> None:
-    """3 steps on vLLM (packed weights) = 3 steps on HF with the tied embedding excluded, bit for bit; a run killed
-    half-way through step 2's update (the 40th of 28 tensor writes per step) resumes to the same bits."""
+    """3 steps on vLLM as 2 ranks (--workers 2: an engine per rank, each with its own members' adapters; packed
+    weights) = 3 steps on HF with the tied embedding excluded, bit for bit; a one-process run killed half-way
+    through step 2's update (the 40th of 28 tensor writes per step) resumes to the same bits."""
     flags = ["--algorithm", "eggroll", "--steps", "3", "--budget-hours", "1"]
     vllm = ["--rollout-engine", "vllm", "--vllm-kv-cache-gib", str(KV_CACHE_GIB)]
     straight, killed, hf = tmp_path / "straight", tmp_path / "killed", tmp_path / "hf"
-    result = copes_run(*flags, *vllm, "--output-dir", str(straight), timeout=600)
+    result = copes_run(*flags, *vllm, "--workers", "2", "--output-dir", str(straight), timeout=600)
     assert result.returncode == 0, result.stderr
-    assert "eggroll on vLLM leaves model.embed_tokens.weight unperturbed" in result.stderr
+    assert result.stderr.count("eggroll on vLLM leaves model.embed_tokens.weight unperturbed") == 1
     result = copes_run(*flags, "--exclude", TIED[0], "--output-dir", str(hf), timeout=600)
     assert result.returncode == 0, result.stderr
     assert_same_weights(final_weights(straight), final_weights(hf))

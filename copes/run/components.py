@@ -3,6 +3,7 @@ agent's settings and its tools."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -44,9 +45,10 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
         strategy = getattr(strategies, algorithm.strategy)(model, **common)
         unreachable = _lora_unreachable(model, strategy) if algorithm.low_rank else []
         if unreachable:  # the same targets as the hf engine given this --exclude
-            print(f"notice: {cfg.algorithm} on vLLM leaves {', '.join(unreachable)} unperturbed (a LoRA adapter "
-                  "cannot carry a tied embedding); --exclude it for the same targets on --rollout-engine hf",
-                  file=sys.stderr)
+            if os.environ.get("RANK", "0") == "0":  # said once, by rank 0 of torchrun / --workers
+                print(f"notice: {cfg.algorithm} on vLLM leaves {', '.join(unreachable)} unperturbed (a LoRA "
+                      "adapter cannot carry a tied embedding); --exclude it for the same targets on --rollout-engine hf",
+                      file=sys.stderr)
             common["exclude"] = [*cfg.exclude, *unreachable]
             strategy = getattr(strategies, algorithm.strategy)(model, **common)
         return strategy
