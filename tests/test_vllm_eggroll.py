@@ -12,17 +12,21 @@ embedding excluded on both):
   layers an update wrote;
 - `copes-run --algorithm eggroll --rollout-engine vllm --workers 2` (packed CPU weights, the default) ends 3 steps
   with the HF path's weights bit for bit and the same metrics: the update depends on the rewards and the noise
-  contract only, so equal rewards give equal bits, and tolerance 0 is the justified one; a one-process run killed
-  half-way through step 2's update and resumed ends bitwise there too.
+  contract only, so equal rewards give equal bits, and tolerance 0 is the justified one; `copes-replay` (on HF)
+  rebuilds it bit for bit; a one-process run killed half-way through step 2's update and resumed ends bitwise
+  there too.
 """
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]'; see the README)")
 
@@ -159,6 +163,11 @@ def test_copes_run_eggroll_on_vllm_matches_hf_and_resumes_bitwise(tmp_path: Path
     assert_same_weights(final_weights(straight), final_weights(hf))
     assert metrics_without_time(straight) == metrics_without_time(hf)
     assert all(record["update_norm"] > 0 for record in metrics_without_time(straight))
+    # copes-replay rebuilds the vLLM run on HF (the tied embedding left out there too), bit for bit.
+    replayed = subprocess.run([shutil.which("copes-replay"), str(straight), "--output", str(tmp_path / "replayed"),
+                               "--quiet"], capture_output=True, text=True, timeout=600)
+    assert replayed.returncode == 0, replayed.stderr
+    assert_same_weights(load_file(str(tmp_path / "replayed" / "model.safetensors")), final_weights(straight))
 
     result = copes_run(*flags, *vllm, "--output-dir", str(killed), env={"COPES_FAILPOINT": "update@40"}, timeout=600)
     assert result.returncode == -9, result.stderr

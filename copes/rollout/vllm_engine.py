@@ -216,11 +216,10 @@ class VLLMEngine:
         self.adapters = MemberAdapters(self.llm, lora) if lora is not None else None
         self._lora_modules: set[str] = self.llm.collective_rpc("copes_lora_modules")[0] if lora is not None else set()
 
-    def lora_unreachable(self, targets: dict[str, tuple[list[str], list[str]]]) -> list[str]:
-        """Those of `targets` ({weight name: (nn.Linear modules reading it, embeddings reading it)}) a member's LoRA
-        adapter cannot carry: read by an embedding (a tied lm_head) or by a linear vLLM's LoRA does not reach."""
-        return [name for name, (linears, embeddings) in targets.items()
-                if embeddings or lora_reach(linears, self._lora_modules)]
+    def lora_unreachable(self, targets: dict[str, list[str]]) -> list[str]:
+        """Those of `targets` ({weight name: the nn.Linear modules reading it}) read by a linear that vLLM's LoRA
+        does not reach (tied embeddings are the caller's: copes.run.components)."""
+        return [name for name, linears in targets.items() if lora_reach(linears, self._lora_modules)]
 
     def start_rollout(self) -> None:
         """Drop every cached prefix if a weight was written since the last rollout started (KV computed under other

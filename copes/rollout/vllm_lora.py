@@ -19,8 +19,8 @@ the engine, so adapter memory is one step's population.
 
 Reach: vLLM's LoRA reaches its linear layers (qkv / o / gate_up / down projections under HF names q_proj ...), not
 a tied embedding (a tied lm_head is the embedding matrix: its per-row correction also enters the input lookup, which
-LoRA does not model). `lora_reach` names the targets an adapter cannot carry; under vLLM the low-rank strategies
-leave them out (copes.run.components.build_strategy).
+LoRA does not model). Under vLLM the low-rank strategies leave a tied embedding out of their targets, and refuse a
+target read by a linear `lora_reach` names (copes.run.components.build_strategy).
 """
 
 from __future__ import annotations

@@ -43,28 +43,35 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
         common["rank"] = cfg.rank
     try:
         strategy = getattr(strategies, algorithm.strategy)(model, **common)
-        unreachable = _lora_unreachable(model, strategy) if algorithm.low_rank else []
-        if unreachable:  # the same targets as the hf engine given this --exclude
-            if os.environ.get("RANK", "0") == "0":  # said once, by rank 0 of torchrun / --workers
-                print(f"notice: {cfg.algorithm} on vLLM leaves {', '.join(unreachable)} unperturbed (a LoRA "
-                      "adapter cannot carry a tied embedding); --exclude it for the same targets on --rollout-engine hf",
-                      file=sys.stderr)
-            common["exclude"] = [*cfg.exclude, *unreachable]
-            strategy = getattr(strategies, algorithm.strategy)(model, **common)
+        if algorithm.low_rank and cfg.rollout_engine == "vllm":
+            strategy = _lora_targets(cfg, model, strategy, common)
         return strategy
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
 
-def _lora_unreachable(model: Any, strategy: Any) -> list[str]:
-    """The low-rank targets the model's rollout engine cannot apply as LoRA adapters (vLLM only; none on hf)."""
+def _lora_targets(cfg: TrainConfig, model: Any, strategy: Any, common: dict[str, Any]) -> Any:
+    """A low-rank strategy whose targets vLLM's LoRA adapters can carry (copes.rollout.vllm_lora): a tied embedding
+    is left out, with one notice (decided from the model alone, so copes-replay on HF leaves out the same); a linear
+    the engine's LoRA does not reach is refused in one line."""
+    from copes.es import strategies
     from copes.rollout.engine import engine_for
 
     engine = engine_for(model)
-    if not hasattr(engine, "lora_unreachable"):
-        return []
-    return engine.lora_unreachable({m.param.name: ([name for name, _ in m.linears], [name for name, _ in m.embeddings])
-                                    for m in strategy.matrices})
+    if hasattr(engine, "lora_unreachable"):
+        unreachable = engine.lora_unreachable({m.param.name: [name for name, _ in m.linears]
+                                               for m in strategy.matrices if not m.embeddings})
+        if unreachable:
+            raise ConfigError(f"vLLM's LoRA layers do not reach {', '.join(unreachable)}: --exclude them for "
+                              f"{cfg.algorithm} on --rollout-engine vllm")
+    tied = [m.param.name for m in strategy.matrices if m.embeddings]
+    if not tied:
+        return strategy
+    if os.environ.get("RANK", "0") == "0" and hasattr(engine, "lora_unreachable"):  # once: rank 0, in the run
+        print(f"notice: {cfg.algorithm} on vLLM leaves {', '.join(tied)} unperturbed (a LoRA adapter cannot carry a "
+              "tied embedding); --exclude it for the same targets on --rollout-engine hf", file=sys.stderr)
+    return getattr(strategies, ALGORITHMS_BY_NAME[cfg.algorithm].strategy)(model, **{**common,
+                                                                                    "exclude": [*cfg.exclude, *tied]})
 
 
 def rollout_lora(cfg: TrainConfig, ranks: int) -> LoRASlots | None:
