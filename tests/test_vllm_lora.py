@@ -84,3 +84,17 @@ def test_rank_slots_are_vllms() -> None:
 def test_lora_reach_names_what_an_adapter_cannot_carry() -> None:
     names = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head", "model.layers.0.conv1d"]
     assert lora_reach(names, {"q_proj", "down_proj"}) == ["lm_head", "model.layers.0.conv1d"]
+
+
+def test_on_vllm_the_low_rank_targets_leave_the_tied_embedding_out(model: torch.nn.Module) -> None:
+    """Decided from the model and the config alone: copes-replay (an HF model) of a vLLM run gets the same targets,
+    and the hf engine gets them given --exclude of the tied embedding."""
+    from copes.run.components import build_strategy
+    from copes.run.config import build_config
+
+    def targets(**settings: object) -> set[str]:
+        strategy = build_strategy(build_config({"algorithm": "eggroll", "population": 4, **settings}), model)
+        return {matrix.param.name for matrix in strategy.matrices}
+
+    on_vllm = targets(rollout_engine="vllm")
+    assert on_vllm == targets(exclude=TIED) == targets() - set(TIED) and len(on_vllm) == 4 * 7
