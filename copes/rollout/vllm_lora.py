@@ -94,7 +94,6 @@ class MemberAdapters:
         self._ids = itertools.count(1)
         self._noise: tuple[Any, float] | None = None  # the routed noise (and scale) the current adapters carry
         self._requests: dict[int, Any] = {}  # member -> this step's LoRARequest
-        self.adapters_built = 0
         llm.collective_rpc("copes_serve_adapters", args=(self.store,))
 
     def requests(self, routing: Routing, rows: int) -> list[Any]:
@@ -118,7 +117,6 @@ class MemberAdapters:
             self.store[lora_id] = (adapter_tensors(factors, routing.scale), rank)
             self._requests[member] = LoRARequest(f"copes-step{routing.step}-member{member}-id{lora_id}", lora_id,
                                                  MEMORY_PATH)
-            self.adapters_built += 1
         return [self._requests[member] for member in members]
 
     def retire(self) -> None:

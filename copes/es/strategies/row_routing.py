@@ -67,10 +67,6 @@ class RoutedRows:
                 factors.update({name: (noise.A[slot], noise.B[slot]) for name, _ in matrix.linears})
         return factors
 
-    def embedding_names(self) -> list[str]:
-        """The modules that take a per-row correction outside any nn.Linear (tied embeddings)."""
-        return [name for matrix in self.matrices for name, _ in matrix.embeddings]
-
 
 def linear_weight_names(model: nn.Module, candidates: list[tuple[str, nn.Parameter]]) -> list[str]:
     """The candidates that are the weight of some `nn.Linear` (the low-rank targets), in model order."""
