@@ -19,8 +19,6 @@ def test_hf_is_the_default_engine() -> None:
 
 @pytest.mark.parametrize(("settings", "message"), [
     ({"rollout_engine": "sglang"}, "unknown rollout_engine 'sglang'; choose one of: hf, vllm"),
-    ({"rollout_engine": "vllm", "algorithm": "eggroll", "subspaces": 1},
-     "--rollout-engine vllm runs copes and es: eggroll routes every batch row"),
     ({"rollout_engine": "vllm", "vllm_kv_cache_gib": 0}, "--vllm-kv-cache-gib must be > 0, got 0"),
     ({"rollout_engine": "vllm", "vllm_cpu_weights": "onednn"},
      "unknown vllm_cpu_weights 'onednn'; choose one of: plain, packed"),
@@ -28,6 +26,13 @@ def test_hf_is_the_default_engine() -> None:
 def test_bad_engine_settings_are_one_sentence(settings: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         build_config(settings)
+
+
+@pytest.mark.parametrize("algorithm", ["eggroll", "copes-lowrank"])
+def test_low_rank_algorithms_run_on_vllm(algorithm: str) -> None:
+    """Their members ride as LoRA adapters (copes.rollout.vllm_lora); the engine's options apply to them too."""
+    cfg = build_config({"rollout_engine": "vllm", "algorithm": algorithm, "vllm_kv_cache_gib": 0.5})
+    assert cfg.ignored_options({"vllm_kv_cache_gib", "vllm_cpu_weights"}) == []
 
 
 def test_without_vllm_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

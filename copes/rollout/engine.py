@@ -19,6 +19,7 @@ from copes.choices import ROLLOUT_ENGINES
 from copes.modeling import load_model
 from copes.rollout.generate import Generation
 from copes.rollout.hf_engine import HFEngine, RowContext
+from copes.rollout.vllm_lora import LoRASlots
 
 
 class RolloutEngine(Protocol):
@@ -49,18 +50,20 @@ def engine_for(model: Any) -> RolloutEngine:
 def load_rollout_model(
     model: str, *, engine: str = "hf", device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
     kv_cache_gib: float = 1.0, max_context_tokens: int | None = None, vllm_cpu_weights: str = "packed",
+    lora: LoRASlots | None = None,
 ) -> tuple[torch.nn.Module, Any, torch.device]:
     """(model, tokenizer, device) as `load_model` gives them; with engine="vllm" the model's parameters are views
     of the vLLM engine's weights and its rollouts run in that engine (on CPU, with `vllm_cpu_weights` linear
     weights: "plain" or "packed", see copes.rollout.vllm_engine). On CPU, `cpu_threads` (0: torch's default) sets
-    torch's intra-op threads."""
+    torch's intra-op threads. `lora` (vLLM only) starts the engine with LoRA adapters enabled, for a batched
+    low-rank population (copes.rollout.vllm_lora); the hf engine routes rows without it."""
     if engine == "hf":
         loaded = load_model(model, device=device, dtype=dtype)
     elif engine == "vllm":
         from copes.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
 
         vllm_engine = VLLMEngine(model, device=device, dtype=dtype, cpu_threads=cpu_threads, kv_cache_gib=kv_cache_gib,
-                                 max_context_tokens=max_context_tokens, cpu_weights=vllm_cpu_weights)
+                                 max_context_tokens=max_context_tokens, cpu_weights=vllm_cpu_weights, lora=lora)
         attach_engine(vllm_engine.model, vllm_engine)
         loaded = vllm_engine.model, vllm_engine.tokenizer, vllm_engine.device
     else:

@@ -25,6 +25,11 @@ weights is never served, and held-out evaluation keeps its prefixes.
 
 Under torchrun or --workers each rank runs its own engine in vLLM's external-launcher mode (see `_in_torch_world`).
 
+With `lora` (the low-rank algorithms: EGGROLL, CoPES-lowrank) the engine starts with LoRA enabled and every member
+of a batched population is a LoRA adapter built in memory from the noise contract (copes.rollout.vllm_lora): a
+`row_context` block that yields the routing makes `generate` give each request its member's adapter, all members in
+one `llm.generate` call. Without it (CoPES) LoRA stays off and nothing changes.
+
 vLLM's CPU worker replaces `torch.set_num_threads` with a no-op once it starts; the engine sets the thread count
 before that and puts the real function back after, so `--cpu-threads` keeps working in this process.
 """
@@ -48,6 +53,7 @@ from copes.errors import UserError
 from copes.extras import require
 from copes.modeling import resolve_device, resolve_dtype, resolve_model_path
 from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids, row_limits
+from copes.rollout.vllm_lora import LoRASlots, MemberAdapters, lora_reach
 from copes.rollout.vllm_views import bind_views, checkpoint_tensors, trace_checkpoint
 from copes.rollout.vllm_worker import (WORKER_EXTENSION, PackedConvWeights, PackedLinearWeights,
                                        keep_plain_linear_weights)
@@ -152,7 +158,7 @@ class VLLMEngine:
 
     def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
                  kv_cache_gib: float = 1.0, max_context_tokens: int | None = None, cpu_weights: str = "packed",
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, lora: LoRASlots | None = None) -> None:
         if cpu_weights not in VLLM_CPU_WEIGHTS:
             raise ValueError(f"cpu_weights must be one of {VLLM_CPU_WEIGHTS}, got {cpu_weights!r}")
         vllm = _import_vllm()
@@ -179,6 +185,7 @@ class VLLMEngine:
                     kv_cache_memory_bytes=int(kv_cache_gib * GIB), worker_extension_cls=WORKER_EXTENSION,
                     enable_prefix_caching=True, **({"language_model_only": True} if multimodal else {}),
                     **({"distributed_executor_backend": "external_launcher"} if _in_torch_world() else {}),
+                    **(lora.engine_options() if lora is not None else {}),
                 )
         except ValueError as error:
             raise _kv_cache_error(error, kv_cache_gib) or error from None
@@ -206,6 +213,13 @@ class VLLMEngine:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self._cached_under: tuple[int, ...] | None = None  # the weights' versions the prefix cache was filled under
         self.prefix_cache_resets = 0
+        self.adapters = MemberAdapters(self.llm, lora) if lora is not None else None
+        self._lora_modules: set[str] = self.llm.collective_rpc("copes_lora_modules")[0] if lora is not None else set()
+
+    def lora_unreachable(self, targets: dict[str, list[str]]) -> list[str]:
+        """Those of `targets` ({weight name: the nn.Linear modules reading it}) read by a linear that vLLM's LoRA
+        does not reach (tied embeddings are the caller's: copes.run.components)."""
+        return [name for name, linears in targets.items() if lora_reach(linears, self._lora_modules)]
 
     def start_rollout(self) -> None:
         """Drop every cached prefix if a weight was written since the last rollout started (KV computed under other
@@ -229,7 +243,8 @@ class VLLMEngine:
                  row_context: Any = None) -> list[Generation]:
         """`generate_batch`'s contract on vLLM: the same prompt tokens, the same stop and EOS rules (each row is
         finished by `finish_row` from its token ids), per-row limits. Sampling draws vLLM's own random numbers.
-        `rows` is not needed (the prefix cache finds a row's earlier turns by content); `row_context` wraps the call."""
+        `rows` is not needed (the prefix cache finds a row's earlier turns by content); `row_context` wraps the call,
+        and when it yields a routing (a batched low-rank population) each request gets its member's adapter."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -253,11 +268,21 @@ class VLLMEngine:
             ))
         self.repack_changed_weights()
         keys = list(rows) if rows is not None else list(range(len(prompts)))
-        with self.packed_convs.during_generation(), (row_context(keys) if row_context else contextlib.nullcontext()):
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        with self.packed_convs.during_generation(), \
+                (row_context(keys) if row_context else contextlib.nullcontext()) as routing:
+            adapters = self._member_adapters(routing, len(requests))
+            outputs = self.llm.generate(requests, params, lora_request=adapters, use_tqdm=False)
         eos_set = set(eos)
         return [
             finish_row(tokenizer, list(output.outputs[0].token_ids), limit, eos_set, pad, stop_strings)
             for output, limit in zip(outputs, limits)
         ]
 
+    def _member_adapters(self, routing: Any, rows: int) -> list[Any] | None:
+        """Each request's LoRARequest when `routing` (what a row_members block yields) routes rows to members."""
+        if routing is None:
+            return None
+        if self.adapters is None:
+            raise RuntimeError("this vLLM engine was started without LoRA; a low-rank population needs "
+                               "load_rollout_model(..., lora=LoRASlots(...))")
+        return self.adapters.requests(routing, rows)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from copes.errors import UserError
 
 WORKER_EXTENSION = "copes.rollout.vllm_worker.CoPESWorkerExtension"
+EMBEDDING_MODULES = {"embed_tokens", "lm_head"}
 
 
 def keep_plain_linear_weights() -> None:
@@ -72,9 +73,11 @@ class PackedLinearWeights:
         def runs_gemms(module: torch.nn.Module) -> bool:  # an input embedding has a cpu_linear it never calls
             return not isinstance(module, VocabParallelEmbedding) or isinstance(module, ParallelLMHead)
 
+        # A LoRA wrapper (engine started with LoRA: copes.rollout.vllm_lora) shows its base layer's weight and
+        # cpu_linear; the base layer is the one that runs the GEMM, and it is listed on its own.
         self.layers = {name: module for name, module in vllm_model.named_modules()
                        if getattr(module, "cpu_linear", None) is F.linear and module.weight.ndim == 2
-                       and runs_gemms(module)}
+                       and runs_gemms(module) and not hasattr(module, "base_layer")}
         self._packed_versions: dict[str, int] = {}  # layer name -> its weight's version when it was packed
         self._dispatch = _vllm_linear_dispatch()
         self.repacked_layers = 0  # layer packs so far, first packs included
@@ -139,3 +142,38 @@ class CoPESWorkerExtension:
     def copes_model(self) -> Any:
         """The loaded torch model (in-process, the very object whose storage the trainer writes)."""
         return self.model_runner.model  # type: ignore[attr-defined]
+
+    def copes_serve_adapters(self, store: dict[int, tuple[dict[str, torch.Tensor], int]]) -> None:
+        """Load the LoRA adapters whose ids are in `store` ({id: (PEFT-named tensors, rank)}, filled by the engine
+        in this process: copes.rollout.vllm_lora) from those tensors instead of from a folder."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = self.model_runner.lora_manager  # type: ignore[attr-defined]
+        load_from_folder = manager._load_adapter
+        model = manager._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        mapper = mapper.get_rename_mapper() if mapper is not None else None
+
+        def load_adapter(request: Any) -> Any:
+            if request.lora_int_id not in store:
+                return load_from_folder(request)
+            tensors, rank = store[request.lora_int_id]
+            # alpha = r: scaling 1, the member's scale is already in lora_B.
+            peft = PEFTHelper.from_dict({"r": rank, "lora_alpha": rank, "target_modules": [],
+                                         "vllm_max_position_embeddings": manager.max_position_embeddings})
+            peft.validate_legal(manager.lora_config)
+            return LoRAModel.from_lora_tensors(request.lora_int_id, tensors, peft, device="cpu",
+                                               dtype=manager.lora_config.lora_dtype,
+                                               model_vocab_size=manager.vocab_size, weights_mapper=mapper)
+
+        manager._load_adapter = load_adapter
+
+    def copes_lora_modules(self) -> set[str]:
+        """The linear modules vLLM's LoRA reaches, packed ones by their HF parts (q_proj, not qkv_proj). vLLM also
+        offers LoRA on embed_tokens and lm_head; a tied lm_head is the embedding matrix, whose per-row correction
+        also enters the input lookup, so those two stay out."""
+        adapters = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
+        packed = adapters.packed_modules_mapping
+        return {part for module in adapters.supported_lora_modules for part in packed.get(module, [module])
+                if part not in EMBEDDING_MODULES}

@@ -3,6 +3,7 @@ agent's settings and its tools."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from copes.tasks.plugins import RewardSpec, build_task, with_rewards
 if TYPE_CHECKING:  # the strategies, the rollout code (and torch) load only when a run builds them
     from copes.es.strategies.base import Strategy
     from copes.rollout import AgentConfig
+    from copes.rollout.vllm_lora import LoRASlots
 
 
 def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
@@ -40,9 +42,46 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
     if algorithm.low_rank:
         common["rank"] = cfg.rank
     try:
-        return getattr(strategies, algorithm.strategy)(model, **common)
+        strategy = getattr(strategies, algorithm.strategy)(model, **common)
+        if algorithm.low_rank and cfg.rollout_engine == "vllm":
+            strategy = _lora_targets(cfg, model, strategy, common)
+        return strategy
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def _lora_targets(cfg: TrainConfig, model: Any, strategy: Any, common: dict[str, Any]) -> Any:
+    """A low-rank strategy whose targets vLLM's LoRA adapters can carry (copes.rollout.vllm_lora): a tied embedding
+    is left out, with one notice (decided from the model alone, so copes-replay on HF leaves out the same); a linear
+    the engine's LoRA does not reach is refused in one line."""
+    from copes.es import strategies
+    from copes.rollout.engine import engine_for
+
+    engine = engine_for(model)
+    if hasattr(engine, "lora_unreachable"):
+        unreachable = engine.lora_unreachable({m.param.name: [name for name, _ in m.linears]
+                                               for m in strategy.matrices if not m.embeddings})
+        if unreachable:
+            raise ConfigError(f"vLLM's LoRA layers do not reach {', '.join(unreachable)}: --exclude them for "
+                              f"{cfg.algorithm} on --rollout-engine vllm")
+    tied = [m.param.name for m in strategy.matrices if m.embeddings]
+    if not tied:
+        return strategy
+    if os.environ.get("RANK", "0") == "0" and hasattr(engine, "lora_unreachable"):  # once: rank 0, in the run
+        print(f"notice: {cfg.algorithm} on vLLM leaves {', '.join(tied)} unperturbed (a LoRA adapter cannot carry a "
+              "tied embedding); --exclude it for the same targets on --rollout-engine hf", file=sys.stderr)
+    return getattr(strategies, ALGORITHMS_BY_NAME[cfg.algorithm].strategy)(model, **{**common,
+                                                                                    "exclude": [*cfg.exclude, *tied]})
+
+
+def rollout_lora(cfg: TrainConfig, ranks: int) -> LoRASlots | None:
+    """The vLLM engine's LoRA settings: one adapter per member of a rank's share of a low-rank population (the
+    largest share: members_for_rank's sizes differ by at most one); None for hf and the per-member algorithms."""
+    if cfg.rollout_engine != "vllm" or not ALGORITHMS_BY_NAME[cfg.algorithm].low_rank:
+        return None
+    from copes.rollout.vllm_lora import LoRASlots
+
+    return LoRASlots(adapters=-(-cfg.population // ranks), rank=cfg.rank)
 
 
 @dataclass(frozen=True)

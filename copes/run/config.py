@@ -97,16 +97,14 @@ class TrainConfig:
     rollout_engine: str = _opt("hf", "what generates rollouts: hf (Hugging Face generate, the reference) | vllm (the "
                                      "weights live in a vLLM engine and are perturbed in place there; pip install "
                                      "-e '.[vllm]')", choices=ROLLOUT_ENGINES)
-    vllm_kv_cache_gib: float = _opt(1.0, "with --rollout-engine vllm: the engine's KV cache size in GiB",
-                                    algorithms=PER_MEMBER_ALGORITHMS)
+    vllm_kv_cache_gib: float = _opt(1.0, "with --rollout-engine vllm: the engine's KV cache size in GiB")
     vllm_cpu_weights: str = _opt("packed", "with --rollout-engine vllm on CPU: packed (each linear layer also keeps "
                                            "vLLM's oneDNN-packed copy, rebuilt before the next generation after "
                                            "each weight change: faster GEMMs for twice the linear weights' memory "
                                            "and a repack per member; the default, measured 1.24x plain's tokens/s "
                                            "on a 100M model in fp32 and 1.14x in bf16) | plain (F.linear on the "
                                            "trainer's weights: the same GEMMs and bits as hf). Ignored on CUDA, "
-                                           "where vLLM reads the plain weights", choices=VLLM_CPU_WEIGHTS,
-                                 algorithms=PER_MEMBER_ALGORITHMS)
+                                           "where vLLM reads the plain weights", choices=VLLM_CPU_WEIGHTS)
     cpu_threads: int = _opt(0, "torch intra-op threads on CPU (0: torch's default); tiny models run fastest on 1")
     workers: int = _opt(1, "processes on this machine that split each step's members (copes-run starts them as "
                            "torch.distributed ranks, gloo on CPU, one GPU each on CUDA; each holds the whole model "
@@ -151,9 +149,6 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.rollout_batch is not None and self.rollout_batch < 1:
             raise ConfigError(f"--rollout-batch must be >= 1, got {self.rollout_batch}")
-        if self.rollout_engine == "vllm" and self.algorithm not in PER_MEMBER_ALGORITHMS:
-            raise ConfigError(f"--rollout-engine vllm runs {' and '.join(PER_MEMBER_ALGORITHMS)}: {self.algorithm} routes "
-                              "every batch row to its own perturbation inside HF forwards, which vLLM does not run")
         if not self.vllm_kv_cache_gib > 0:
             raise ConfigError(f"--vllm-kv-cache-gib must be > 0, got {self.vllm_kv_cache_gib}")
         if self.workers < 1:

@@ -23,7 +23,7 @@ from copes.modeling import resolve_model_path
 from copes.rollout.engine import load_rollout_model
 from copes.run.budget import Budget, BudgetSpent
 from copes.run.components import (GivenParts, batch_indices, build_agent, build_strategy, build_tools, eval_examples,
-                                   split_given, task_from_config, warn_at_start)
+                                   rollout_lora, split_given, task_from_config, warn_at_start)
 from copes.run.config import TrainConfig, build_config
 from copes.run.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, gather_values,
                                    init_distributed, members_for_rank)
@@ -63,7 +63,8 @@ class Trainer:
         self.plan = check_plan(cfg, device=device, uses_tools=cfg.tools and self.task.chat, say=lambda line: None)
         self.model, self.tokenizer, self.device = load_rollout_model(
             cfg.model, engine=cfg.rollout_engine, device=device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads, kv_cache_gib=cfg.vllm_kv_cache_gib,
-            max_context_tokens=cfg.max_context_tokens, vllm_cpu_weights=cfg.vllm_cpu_weights)
+            max_context_tokens=cfg.max_context_tokens, vllm_cpu_weights=cfg.vllm_cpu_weights,
+            lora=rollout_lora(cfg, self.dist.world_size if self.dist else 1))
         if self.is_main:
             warn_at_start(self.task, self.train_set, self.tokenizer, self.model)
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url,

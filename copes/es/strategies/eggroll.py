@@ -41,8 +41,8 @@ import copes_kernels as ck
 from copes.es.params import ParameterSpace, select_parameters
 from copes.es.strategies.base import (WHOLE_POPULATION, ESBase, Evaluation, StepPlan, StepStats, population_rewards,
                                    step_seed)
-from copes.es.strategies.row_routing import (LowRankMatrix, MatrixNoise, RowMembers, find_matrices, linear_weight_names,
-                                          route_rows)
+from copes.es.strategies.row_routing import (LowRankMatrix, MatrixNoise, RoutedRows, RowMembers, find_matrices,
+                                          linear_weight_names, route_rows)
 
 # Factors cost (m + n) * r floats per member and matrix; beyond 16 the low-rank forward stops being cheap.
 MAX_RANK = 16
@@ -150,8 +150,9 @@ class _LowRankES(ESBase):
         return MatrixNoise(A, B, slot_of_member.to(weight.device), len(members))
 
     @contextlib.contextmanager
-    def row_members(self, member_of_row: torch.Tensor) -> Iterator[None]:
-        """Inside the block, batch row b of every forward uses member `member_of_row[b]`'s perturbation.
+    def row_members(self, member_of_row: torch.Tensor) -> Iterator[RoutedRows]:
+        """Inside the block, batch row b of every forward uses member `member_of_row[b]`'s perturbation; the block
+        yields the routing as data (`RoutedRows`, for engines that apply members as adapters).
 
         Only valid inside `fitness_fn` during `step` / `evaluate`; forwards must keep the batch in dim 0.
         """
@@ -167,8 +168,8 @@ class _LowRankES(ESBase):
         self._active_rows = True
         try:
             with route_rows(self.matrices, self._noise, rows.to(torch.int64), sigma=self.sigma_k,
-                            factor_norm=self.factor_norm):
-                yield
+                            factor_norm=self.factor_norm, step=self.plan().step) as routed:
+                yield routed
         finally:
             self._active_rows = False
 

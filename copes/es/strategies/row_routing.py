@@ -4,6 +4,9 @@ Inside `route_rows(...)` every targeted `nn.Linear` runs as `ck.lowrank_linear` 
 batch plus a rank-r term per row), so batch row b sees W + sigma_k / sqrt(r) * A_j B_j^T with j its member; a
 plain `nn.Embedding` that shares the weight (tied lm_head == embed_tokens) gets the same correction on its
 lookup. Leaving the block puts every module back. Nothing here writes a weight.
+
+The block yields a `RoutedRows`: the same routing as data, for an engine that does not run these modules' forwards
+(vLLM applies each member as a LoRA adapter built from `member_factors`, copes.rollout.vllm_lora).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch import nn
 import copes_kernels as ck
 from copes.es.params import TrainableParameter
 
-RowMembers = Callable[[torch.Tensor], contextlib.AbstractContextManager[None]]
+RowMembers = Callable[[torch.Tensor], contextlib.AbstractContextManager["RoutedRows"]]
 
 
 @dataclass(eq=False)
@@ -39,6 +42,30 @@ class MatrixNoise:
     B: torch.Tensor  # [N_k (+1), n, r] float32
     slot_of_member: torch.Tensor  # [N] int64: member -> row of A/B (the zero slot for other groups' members)
     num_members: int  # N_k: rows 0 .. N_k - 1 of A/B are the group's members, in member order
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    """What `route_rows` yields: which member each batch row is, and each member's factors by module name.
+
+    `noise` is the step's list of factors itself, made once per step and never changed: two blocks whose `noise` is
+    the same object (and `scale` equal) route the same perturbations. `step` is for people (adapter names)."""
+
+    step: int
+    member_of_row: torch.Tensor  # [rows] int64
+    scale: float  # sigma_k / sqrt(r): member j's weight is W + scale * A_j B_j^T
+    matrices: list[LowRankMatrix]
+    noise: list[MatrixNoise]
+
+    def member_factors(self, member: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{module name: (A_j [m, r], B_j [n, r])} for every nn.Linear reading a matrix that `member` perturbs (a
+        matrix of another group has no entry: its correction is zero)."""
+        factors = {}
+        for matrix, noise in zip(self.matrices, self.noise):
+            slot = int(noise.slot_of_member[member])
+            if slot < noise.num_members:
+                factors.update({name: (noise.A[slot], noise.B[slot]) for name, _ in matrix.linears})
+        return factors
 
 
 def linear_weight_names(model: nn.Module, candidates: list[tuple[str, nn.Parameter]]) -> list[str]:
@@ -76,11 +103,11 @@ def find_matrices(model: nn.Module, targets: list[TrainableParameter]) -> list[L
 @contextlib.contextmanager
 def route_rows(
     matrices: list[LowRankMatrix], noise: list[MatrixNoise], member_of_row: torch.Tensor, *, sigma: float,
-    factor_norm: float,
-) -> Iterator[None]:
+    factor_norm: float, step: int,
+) -> Iterator[RoutedRows]:
     """Inside the block, batch row b of every forward uses member `member_of_row[b]`'s perturbation (already
     validated by the caller, int64). `sigma` is sigma_k; A_j B_j^T is divided by `factor_norm` (sqrt(r)) in the
-    embedding correction, as `ck.lowrank_linear` does internally for the linears."""
+    embedding correction, as `ck.lowrank_linear` does internally for the linears. Yields the routing as data."""
     undo: list[Callable[[], None]] = []
     try:
         for matrix, matrix_noise in zip(matrices, noise):
@@ -89,7 +116,7 @@ def route_rows(
                 undo.append(_route_linear(name, linear, matrix_noise, slots, sigma))
             for name, embedding in matrix.embeddings:
                 undo.append(_perturb_embedding(name, embedding, matrix_noise, slots, sigma / factor_norm).remove)
-        yield
+        yield RoutedRows(step, member_of_row, sigma / factor_norm, matrices, noise)
     finally:
         for restore in reversed(undo):
             restore()
