@@ -50,6 +50,7 @@ from copes.rollout.generate import (
     stop_criterion,
 )
 
+PREFILL_CHUNK_TOKENS = 512  # the default bound on one prefill forward's positions (the memory plan takes it too)
 RowContext = Callable[[list[int]], contextlib.AbstractContextManager[Any]]
 # Tokens of the prompt's tail shown to the stop-string check with the new tokens: a stop string may begin in the
 # prompt, and a character can take up to 4 byte-level tokens.
@@ -210,7 +211,8 @@ class HFEngine:
     """Rollouts on `model`'s forward (see the module docstring); `prefill_chunk_tokens` bounds the positions of
     one prefill forward."""
 
-    def __init__(self, model: Any, *, prefill_chunk_tokens: int = 512, row_caches: bool = True) -> None:
+    def __init__(self, model: Any, *, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+                 row_caches: bool = True) -> None:
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         # row_caches=False: one batched generate_batch call per generate (a rollout with no next turn to keep the
@@ -268,7 +270,8 @@ class HFEngine:
         template = DynamicCache(config=self.model.config)
         width = max(len(row.ids) for row in batch)
         # Room for every row's context and its longest possible generation; each row ends at column `width`.
-        stores = [_Store(len(batch), width + max(row.limit for row in batch)) if _attention(layer) else None for layer in template.layers]
+        columns = width + max(row.limit for row in batch)
+        stores = [_Store(len(batch), columns) if _attention(layer) else None for layer in template.layers]
         for slot, row in enumerate(batch):
             row.slot, row.start = slot, width - len(row.ids)
         with torch.inference_mode():
@@ -345,6 +348,8 @@ class HFEngine:
                 store.write(rows, row.start, layer.keys, layer.values)
             layers.append(_StoreLayer(store, rows, row.start, row.start + row.cached))
         cache = _with_layers(row.cache, layers)
+        # The kept keys and values are in the store now; the row keeps only its recurrent layers.
+        row.cache.layers = [layer if store is None else None for store, layer in zip(stores, row.cache.layers)]
         pending = torch.tensor(row.ids[row.cached :], device=device)
         for start in range(0, len(pending), self.prefill_chunk_tokens):
             chunk = pending[start : start + self.prefill_chunk_tokens]
@@ -394,6 +399,8 @@ class HFEngine:
         # Recurrent layers: the rows' states side by side (they are per row until now).
         recurrent = {index: _combined([row.cache.layers[index] for row in batch], torch.cat)
                      for index, store in enumerate(stores) if store is None}
+        for row in batch:
+            row.cache = None  # the batch holds every row's state now
         columns = width + max(row.limit for row in batch)
         mask = torch.zeros(len(batch), columns, dtype=torch.bool, device=device)
         for row in batch:
