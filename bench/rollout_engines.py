@@ -5,7 +5,7 @@ perturbed in place inside the engine), vLLM with plain linear weights (F.linear,
 
 Same random ~100M-parameter Qwen3 model (built locally, saved once, loaded by every engine), same prompts, same
 lengths (every row generates exactly its number of greedy tokens: EOS is ignored on every engine), same torch
-threads. Two workloads (--workloads):
+threads. Three workloads (--workloads):
 
   uniform      --prompts prompts of --prompt-tokens random tokens, each row generating --new-tokens: vLLM's
                least favourable case, as no row ends before another
@@ -14,11 +14,15 @@ threads. Two workloads (--workloads):
                the usual BPE rate; the tokens themselves are random, the model being random). Rows end at
                different lengths, as greedy rows end at EOS: HF `generate` keeps computing a finished row until
                the batch's longest ends; copes' HF engine and vLLM drop it and batch the rest
+  gsm8k-2turn  gsm8k, then a second turn as after a tool call: each row's context is its prompt, its first turn's
+               tokens and a 32-token observation, and it generates its length again. HF `generate` re-sends
+               (and prefills) the whole context; copes' HF engine ends the first turn as on a stop string, keeps
+               the rows' caches and prefills only the observation
 
 Per dtype and workload it reports, best of --repeats rounds after a warm-up, the engines alternating each round:
 
-  tokens/s     the batch's generated tokens (the rows' own lengths summed) / seconds of one batched greedy
-               generation (weights unchanged since the last one: no repack)
+  tokens/s     the batch's generated tokens (the rows' own lengths summed, over every turn) / seconds of one
+               batched greedy generation (weights unchanged since the last one: no repack)
   step s       one CoPES step (--population members, each: perturb, roll out the batch, restore; then the
                update), and inside it the seconds of perturb + restore, which vLLM pays on its own storage, and
                of the packed engine's repacks (one per member: its weights changed since the last rollout)
@@ -56,7 +60,8 @@ ModelShape = dict[str, int]
 MODEL_SHAPE: ModelShape = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                                num_key_value_heads=2, head_dim=64)
 VLLM_ENGINES = ("vllm-plain", "vllm-packed")
-WORKLOADS = ("uniform", "gsm8k")
+WORKLOADS = ("uniform", "gsm8k", "gsm8k-2turn")
+OBSERVATION_TOKENS = 32  # a tool result and its markup, between the two turns of gsm8k-2turn
 
 
 def build_model_folder(folder: Path, shape: ModelShape) -> int:
@@ -81,7 +86,16 @@ class Workload:
 
     name: str
     prompts: list[list[int]]
-    new_tokens: list[int]
+    new_tokens: list[int]  # per row, in each turn
+    observations: list[list[int]] | None = None  # a second turn: prompt + first turn's tokens + observation
+
+    @property
+    def turns(self) -> int:
+        return 1 if self.observations is None else 2
+
+    def second_prompts(self, first: list[torch.Tensor]) -> list[list[int]]:
+        return [prompt + generated.tolist() + observation
+                for prompt, generated, observation in zip(self.prompts, first, self.observations)]
 
 
 def random_tokens(lengths: list[int], vocab_size: int) -> list[list[int]]:
@@ -101,27 +115,56 @@ def build_workload(name: str, args: argparse.Namespace, vocab_size: int) -> Work
     problems = get_task("gsm8k").examples("test")[: args.prompts]
     prompt_lengths = [max(1, len(problem.question) // CHARACTERS_PER_TOKEN) for problem in problems]
     solution_lengths = [max(1, len(problem.meta["answer"]) // CHARACTERS_PER_TOKEN) for problem in problems]
-    return Workload(name, random_tokens(prompt_lengths, vocab_size), solution_lengths)
+    observations = None
+    if name == "gsm8k-2turn":
+        observations = random_tokens([OBSERVATION_TOKENS] * len(problems), vocab_size)[::-1]  # not the prompts
+    return Workload(name, random_tokens(prompt_lengths, vocab_size), solution_lengths, observations)
 
 
-def hf_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tensor]:
+def both_turns(generate: Callable[[list[list[int]], list[int]], list[torch.Tensor]],
+               workload: Workload) -> list[torch.Tensor]:
+    """Each row's tokens of every turn, one after the other (`generate`: prompts, lengths -> new tokens)."""
+    first = generate(workload.prompts, workload.new_tokens)
+    if workload.observations is None:
+        return first
+    second = generate(workload.second_prompts(first), workload.new_tokens)
+    return [torch.cat(pair) for pair in zip(first, second)]
+
+
+def hf_generate(model: torch.nn.Module, prompts: list[list[int]], lengths: list[int]) -> list[torch.Tensor]:
     # Left padding and a mask, as copes' HF engine batches prompts of different lengths. Every row runs to the
-    # longest row's length (what `generate` computes for rows that ended at EOS too) and is cut to its own.
-    width = max(len(prompt) for prompt in workload.prompts)
-    ids = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in workload.prompts])
-    mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in workload.prompts])
-    longest = max(workload.new_tokens)
+    # longest row's length (what `generate` computes for rows that ended at EOS too) and is cut to its own. A
+    # second turn re-sends each row's whole context.
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in prompts])
+    mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts])
+    longest = max(lengths)
     config = GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=0,
                               eos_token_id=model.generation_config.eos_token_id)
     with torch.inference_mode():
         sequences = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    return [row[width:width + length] for row, length in zip(sequences, workload.new_tokens)]
+    return [row[width:width + length] for row, length in zip(sequences, lengths)]
+
+
+def hf_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tensor]:
+    return both_turns(lambda prompts, lengths: hf_generate(model, prompts, lengths), workload)
 
 
 def hf_engine_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tensor]:
-    # No EOS: every row generates exactly its length, as on the other engines.
-    new_ids = HFEngine(model).generate_ids(workload.prompts, workload.new_tokens, eos=set())
-    return [torch.tensor(ids) for ids in new_ids]
+    # No EOS: every row generates exactly its length, as on the other engines. Before a second turn a row ends as
+    # on a tool call (a stop string: the engine keeps its cache), so that turn prefills only the observation.
+    engine = HFEngine(model)
+    engine.start_rollout()
+    two_turns = workload.observations is not None
+
+    def generate(prompts: list[list[int]], lengths: list[int]) -> list[torch.Tensor]:
+        targets = {tuple(prompt): length for prompt, length in zip(prompts, lengths)}
+        rule = (lambda ids, new: len(new) >= targets[tuple(ids)]) if two_turns else None
+        new_ids = engine.generate_ids(prompts, lengths, eos=set(), ends_on_stop=rule, keys=list(range(len(prompts))),
+                                      remember=two_turns)
+        return [torch.tensor(ids) for ids in new_ids]
+
+    return both_turns(generate, workload)
 
 
 def vllm_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tensor]:
@@ -131,11 +174,14 @@ def vllm_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tenso
     engine = engine_for(model)
     engine.start_rollout()
     engine.repack_changed_weights()
-    params = [SamplingParams(max_tokens=length, min_tokens=length, ignore_eos=True, temperature=0.0,
-                             detokenize=False) for length in workload.new_tokens]
-    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in workload.prompts], params,
-                                  use_tqdm=False)
-    return [torch.tensor(output.outputs[0].token_ids) for output in outputs]
+
+    def generate(prompts: list[list[int]], lengths: list[int]) -> list[torch.Tensor]:
+        params = [SamplingParams(max_tokens=length, min_tokens=length, ignore_eos=True, temperature=0.0,
+                                 detokenize=False) for length in lengths]
+        outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [torch.tensor(output.outputs[0].token_ids) for output in outputs]
+
+    return both_turns(generate, workload)
 
 
 Rollout = Callable[[torch.nn.Module, Workload], list[torch.Tensor]]
@@ -183,8 +229,9 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
         for name in engines:
             rows.append({
                 "dtype": dtype, "workload": workload.name, "engine": name, "threads": args.threads,
-                "prompts": len(workload.prompts), "generated_tokens": sum(workload.new_tokens),
-                "longest": max(workload.new_tokens), "tokens_per_s": sum(workload.new_tokens) / generate[name],
+                "prompts": len(workload.prompts), "turns": workload.turns,
+                "generated_tokens": sum(workload.new_tokens) * workload.turns, "longest": max(workload.new_tokens),
+                "tokens_per_s": sum(workload.new_tokens) * workload.turns / generate[name],
                 "vs_hf_tokens": generate["hf"] / generate[name], "step_s": step[name],
                 "vs_hf_step": None if args.no_step else step["hf"] / step[name],
                 "perturb_restore_s": phases[name]["perturb_restore"],

@@ -460,6 +460,25 @@ def test_finished_rows_stop_costing_compute(lm, tokenizer):
     assert sum(counter.positions) == sum(prompt_token_counts(tokenizer, PROMPTS)) + sum(limit - 1 for limit in limits)
 
 
+def test_fresh_rows_of_an_attention_model_prefill_packed_without_padding(lm, tokenizer):
+    """Qwen3: fresh rows share prefill forwards of at most prefill_chunk_tokens positions (each row attending only
+    to itself), with no pad position; Qwen3.5 (a delta-net state must see no other row): one row per forward."""
+    counts = prompt_token_counts(tokenizer, PROMPTS)
+    chunk = counts[0] + counts[1]
+    assert counts[2] > chunk  # row 2 is prefilled alone, in chunks; row 3 does not fit beside rows 0 and 1
+    engine, counter = HFEngine(lm, prefill_chunk_tokens=chunk), ForwardPositions(lm)
+    limits = [3, 7, 5, 6]
+    generations = engine.generate(tokenizer, PROMPTS, max_new_tokens=limits)
+    positions = list(counter.positions)
+    assert generations == generate_batch(lm, tokenizer, PROMPTS, max_new_tokens=limits)
+    row_2 = [min(chunk, counts[2] - start) for start in range(0, counts[2], chunk)]
+    packed = [chunk] if lm.config.model_type == "qwen3" else counts[:2]
+    prefills = [*packed, *row_2, counts[3]]
+    assert positions[: len(prefills)] == prefills
+    # Then one position per row per token it still needs: no padding, no finished row.
+    assert positions[len(prefills) :] == [sum(limit > step for limit in limits) for step in range(1, max(limits))]
+
+
 def test_a_context_that_does_not_extend_the_cache(char_lm, char_tokenizer):
     """Attention KV is cropped to the common prefix; a recurrent state cannot be, so the row prefills afresh."""
     engine, counter = HFEngine(char_lm), ForwardPositions(char_lm)

@@ -11,10 +11,15 @@ tokens on fp32 CPU). How it computes them:
   attention-only cache is cropped to the longest common prefix when the context was re-tokenized differently; a
   recurrent state (Qwen3.5's gated delta-net) cannot be cropped, so such a row is prefilled afresh. Only a row
   that ended on a stop string (a tool call, what the agent continues) keeps its cache.
-- Prefill: one row at a time, so no pad token ever enters a recurrent state, in chunks of at most
-  `prefill_chunk_tokens` positions (the activation peak of a long context is one chunk's).
-- Decode: the active rows in one batch, their caches left-padded to the longest and masked; a row leaves the
-  batch when it ends, and pad columns no remaining row needs are dropped.
+- Storage: each attention layer's keys and values for all the call's rows live in one preallocated tensor
+  (rows x heads x columns x head dim, room for the longest context plus the longest generation), written in
+  place; rows are left-padded to a common end and every forward attends to views of it (no per-token torch.cat).
+- Prefill, in chunks of at most `prefill_chunk_tokens` positions (the activation peak of a long context is one
+  chunk's). A row with a cached prefix or any row of a recurrent model (a pad token must never enter a delta-net
+  state) runs alone; fresh rows of an attention-only model are packed several to a forward, each attending only
+  to itself (a block-diagonal mask: no padding), when no `row_context` asks for per-row weights.
+- Decode: the active rows in one batch, masked; a row leaves the batch when it ends, the batch's last row moving
+  into its place (one row's copy), and pad columns no remaining row needs are not attended to.
 - `row_context(keys)` wraps every forward with that forward's rows in batch order (EGGROLL routes each row to
   its member's perturbation).
 
@@ -32,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
@@ -46,6 +50,7 @@ from copes.rollout.generate import (
     stop_criterion,
 )
 
+PREFILL_CHUNK_TOKENS = 512  # the default bound on one prefill forward's positions (the memory plan takes it too)
 RowContext = Callable[[list[int]], contextlib.AbstractContextManager[Any]]
 # Tokens of the prompt's tail shown to the stop-string check with the new tokens: a stop string may begin in the
 # prompt, and a character can take up to 4 byte-level tokens.
@@ -70,42 +75,90 @@ def drives(model: Any) -> bool:
                for layer in layers)
 
 
-def _rebuild(caches: Sequence[DynamicCache], keys_values: Callable[[list[torch.Tensor]], torch.Tensor],
-             states: Callable[[list[torch.Tensor]], torch.Tensor]) -> DynamicCache:
-    """A new cache whose every layer combines the same layer of `caches`: attention keys and values through
-    `keys_values`, linear-attention conv and recurrent states through `states`."""
-    combined = copy.copy(caches[0])
-    combined.layers = []
-    for layers in zip(*(cache.layers for cache in caches)):
-        layer = copy.copy(layers[0])
-        if _attention(layer):
-            layer.keys = keys_values([each.keys for each in layers])
-            layer.values = keys_values([each.values for each in layers])
+def _combined(layers: Sequence[Any], states: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:
+    """A new linear-attention layer combining `layers` (the same layer of several caches): each conv and
+    recurrent state through `states`."""
+    layer = copy.copy(layers[0])
+    for name in ("conv_states", "recurrent_states"):
+        setattr(layer, name, {index: None if tensor is None else states([getattr(each, name)[index] for each in layers])
+                              for index, tensor in getattr(layer, name).items()})
+    for name in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
+                 "conv_kernel_size"):
+        setattr(layer, name, dict(getattr(layer, name)))
+    return layer
+
+
+class _Store:
+    """One attention layer's keys and values for every row of a generate call, preallocated (rows x heads x
+    columns x head dim) on the first write and written in place: no per-token torch.cat of the whole cache. Row
+    r's context occupies columns [start_r, end): the rows are left-padded to a common end."""
+
+    def __init__(self, rows: int, columns: int) -> None:
+        self.rows, self.columns = rows, columns
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def write(self, rows: slice, column: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.keys is None:
+            shape = (self.rows, keys.shape[1], self.columns, keys.shape[3])
+            self.keys = keys.new_zeros(shape)
+            self.values = values.new_zeros((*shape[:3], values.shape[3]))
+        self.keys[rows, :, column : column + keys.shape[2]] = keys
+        self.values[rows, :, column : column + values.shape[2]] = values
+
+    def move(self, source: int, target: int, start: int, end: int) -> None:
+        if self.keys is not None:
+            self.keys[target, :, start:end] = self.keys[source, :, start:end]
+            self.values[target, :, start:end] = self.values[source, :, start:end]
+
+
+class _StoreLayer(DynamicLayer):
+    """An attention cache layer on `rows` x columns [start, end) of a `_Store`: `update` writes the new columns in
+    place and returns views (what the model attends to is exactly the layer's columns)."""
+
+    def __init__(self, store: _Store, rows: slice, start: int, end: int) -> None:
+        super().__init__()
+        self.store, self.rows, self.start, self.end = store, rows, start, end
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        if self.store.keys is None:
+            self.keys = self.values = torch.empty(0)
         else:
-            for name in ("conv_states", "recurrent_states"):
-                setattr(layer, name, {index: None if tensor is None else states([getattr(each, name)[index]
-                                                                                  for each in layers])
-                                      for index, tensor in getattr(layer, name).items()})
-            for name in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
-                         "conv_kernel_size"):
-                setattr(layer, name, dict(getattr(layer, name)))
-        combined.layers.append(layer)
-    return combined
+            self.keys = self.store.keys[self.rows, :, self.start : self.end]
+            self.values = self.store.values[self.rows, :, self.start : self.end]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.store.write(self.rows, self.end, key_states, value_states)
+        self.end += key_states.shape[2]
+        self._views()
+        return self.keys, self.values
 
 
-def _stack(caches: Sequence[DynamicCache], lengths: Sequence[int]) -> DynamicCache:
-    """One batch cache of single-row caches, attention left-padded to the longest of `lengths`."""
-    width = max(lengths)
+class _PackedLayer(DynamicLayer):
+    """An attention cache layer for one forward over several fresh rows packed into one sequence (each row's
+    segment attends to itself through a block-diagonal mask): `update` scatters each segment into its row's
+    columns of the `_Store` and returns the packed keys and values themselves."""
 
-    def pad_left(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([F.pad(tensor, (0, 0, width - length, 0)) for tensor, length in zip(tensors, lengths)])
+    def __init__(self, store: _Store, segments: list[tuple[int, int, int, int]]) -> None:
+        super().__init__()
+        self.store, self.segments = store, segments  # (row, first column, first packed position, length)
+        self.is_initialized, self.keys, self.values = True, torch.empty(0), torch.empty(0)
 
-    return _rebuild(caches, pad_left, torch.cat)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        for row, column, first, length in self.segments:
+            self.store.write(slice(row, row + 1), column, key_states[:, :, first : first + length],
+                             value_states[:, :, first : first + length])
+        return key_states, value_states
 
 
-def _take(cache: DynamicCache, rows: torch.Tensor, first_column: int) -> DynamicCache:
-    """A copy of `rows` of a batch cache, attention from `first_column` on (indexing copies: the batch is freed)."""
-    return _rebuild([cache], lambda tensors: tensors[0][rows, :, first_column:], lambda tensors: tensors[0][rows])
+def _with_layers(template: DynamicCache, layers: list[Any]) -> DynamicCache:
+    cache = copy.copy(template)
+    cache.layers = layers
+    return cache
 
 
 def _common_prefix(cached: Sequence[int], ids: Sequence[int]) -> int:
@@ -126,6 +179,9 @@ class _Row:
     cached: int = 0  # leading tokens of `ids` the cache holds
     new: list[int] = field(default_factory=list)
     ended_by: str | None = None
+    slot: int = 0  # the row's index in the call's stores (and, while decoding, in the batch)
+    start: int = 0  # the stores' first column of the row's context
+    logits: torch.Tensor | None = None  # the first new token's, from the prefill
 
 
 @dataclass
@@ -155,7 +211,8 @@ class HFEngine:
     """Rollouts on `model`'s forward (see the module docstring); `prefill_chunk_tokens` bounds the positions of
     one prefill forward."""
 
-    def __init__(self, model: Any, *, prefill_chunk_tokens: int = 512, row_caches: bool = True) -> None:
+    def __init__(self, model: Any, *, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+                 row_caches: bool = True) -> None:
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         # row_caches=False: one batched generate_batch call per generate (a rollout with no next turn to keep the
@@ -209,13 +266,18 @@ class HFEngine:
             raise ValueError("every prompt needs at least one token: its last position's logits start the row")
         picker = picker or Picker()
         keys = keys if keys is not None else list(range(len(prompts)))
-        context = row_context or (lambda indices: contextlib.nullcontext())
         batch = [self._open_row(key, ids, limit) for key, ids, limit in zip(keys, prompts, limits)]
+        template = DynamicCache(config=self.model.config)
+        width = max(len(row.ids) for row in batch)
+        # Room for every row's context and its longest possible generation; each row ends at column `width`.
+        columns = width + max(row.limit for row in batch)
+        stores = [_Store(len(batch), columns) if _attention(layer) else None for layer in template.layers]
+        for slot, row in enumerate(batch):
+            row.slot, row.start = slot, width - len(row.ids)
         with torch.inference_mode():
-            first = torch.stack([self._prefill(row, context) for row in batch])
-            for row, token in zip(batch, picker(first).tolist()):
-                self._append(row, token, eos, ends_on_stop)
-            self._decode([row for row in batch if row.ended_by is None], picker, eos, ends_on_stop, context)
+            self._prefill(batch, stores, row_context)
+            self._decode(batch, template, stores, width, picker, eos, ends_on_stop,
+                         row_context or (lambda indices: contextlib.nullcontext()), remember)
         if remember:
             for row in batch:
                 if row.ended_by == "stop":
@@ -239,23 +301,80 @@ class HFEngine:
         return row
 
     def _forward(self, input_ids: torch.Tensor, cache: DynamicCache, positions: torch.Tensor,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
+                 mask: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 1) -> torch.Tensor:
         output = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                            logits_to_keep=1, **{self._cache_argument: cache})
-        return output.logits[:, -1]
+                            logits_to_keep=logits_to_keep, **{self._cache_argument: cache})
+        return output.logits
 
-    def _prefill(self, row: _Row, context: RowContext) -> torch.Tensor:
-        """Feed the row's uncached tokens, a chunk per forward; returns the last position's logits."""
+    def _prefill(self, batch: list[_Row], stores: list[_Store | None], row_context: RowContext | None) -> None:
+        """Feed every row's uncached tokens and set its first new token's logits (`row.logits`). Fresh rows of an
+        attention-only model are packed, several to a forward of at most `prefill_chunk_tokens` positions, each
+        attending only to itself (no padding); every other row runs alone, a chunk per forward. Packing needs
+        one perturbation for the whole forward: not under `row_context`."""
+        packable = (row_context is None and all(stores)
+                    and getattr(self.model.config, "_attn_implementation", None) == "sdpa")
+        singles, bins, current, used = [], [], [], 0
+        for row in batch:
+            size = len(row.ids)
+            if not packable or row.cached or row.cache is not None or size > self.prefill_chunk_tokens:
+                singles.append(row)
+                continue
+            if used + size > self.prefill_chunk_tokens:
+                bins.append(current)
+                current, used = [], 0
+            current.append(row)
+            used += size
+        bins.append(current)
+        for rows in bins:
+            if len(rows) == 1:
+                singles += rows
+            elif rows:
+                self._prefill_packed(rows, stores)
+        context = row_context or (lambda indices: contextlib.nullcontext())
+        for row in singles:
+            with context([row.key]):
+                self._prefill_row(row, stores)
+
+    def _prefill_row(self, row: _Row, stores: list[_Store | None]) -> None:
         device = self.model.device
         row.cache = row.cache if row.cache is not None else DynamicCache(config=self.model.config)
+        rows = slice(row.slot, row.slot + 1)
+        layers = []
+        for store, layer in zip(stores, row.cache.layers):
+            if store is None:
+                layers.append(layer)
+                continue
+            if row.cached:  # the kept cache's columns move into the call's store
+                store.write(rows, row.start, layer.keys, layer.values)
+            layers.append(_StoreLayer(store, rows, row.start, row.start + row.cached))
+        cache = _with_layers(row.cache, layers)
+        # The kept keys and values are in the store now; the row keeps only its recurrent layers.
+        row.cache.layers = [layer if store is None else None for store, layer in zip(stores, row.cache.layers)]
         pending = torch.tensor(row.ids[row.cached :], device=device)
-        with context([row.key]):
-            for start in range(0, len(pending), self.prefill_chunk_tokens):
-                chunk = pending[start : start + self.prefill_chunk_tokens]
-                positions = torch.arange(row.cached, row.cached + len(chunk), device=device)
-                logits = self._forward(chunk[None], row.cache, positions[None])
-                row.cached += len(chunk)
-        return logits[0]
+        for start in range(0, len(pending), self.prefill_chunk_tokens):
+            chunk = pending[start : start + self.prefill_chunk_tokens]
+            positions = torch.arange(row.cached, row.cached + len(chunk), device=device)
+            logits = self._forward(chunk[None], cache, positions[None])
+            row.cached += len(chunk)
+        row.logits = logits[0, -1]
+
+    def _prefill_packed(self, rows: list[_Row], stores: list[_Store | None]) -> None:
+        device = self.model.device
+        lengths = [len(row.ids) for row in rows]
+        firsts = [sum(lengths[:index]) for index in range(len(rows))]
+        total = sum(lengths)
+        segment = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths)).to(device)
+        causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+        mask = (causal & (segment[:, None] == segment[None, :]))[None, None]
+        positions = torch.cat([torch.arange(length) for length in lengths]).to(device)
+        segments = [(row.slot, row.start, first, length) for row, first, length in zip(rows, firsts, lengths)]
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [_PackedLayer(store, segments) for store in stores]
+        ids = torch.tensor([token for row in rows for token in row.ids], device=device)
+        last = torch.tensor([first + length - 1 for first, length in zip(firsts, lengths)], device=device)
+        logits = self._forward(ids[None], cache, positions[None], mask, logits_to_keep=last)
+        for row, row_logits in zip(rows, logits[0]):
+            row.cached, row.cache, row.logits = len(row.ids), None, row_logits
 
     @staticmethod
     def _append(row: _Row, token: int, eos: set[int], ends_on_stop: EndRule | None) -> None:
@@ -267,38 +386,90 @@ class HFEngine:
         elif len(row.new) >= row.limit:
             row.ended_by = "length"
 
-    def _decode(self, active: list[_Row], picker: Picker, eos: set[int], ends_on_stop: EndRule | None,
-                context: RowContext) -> None:
-        """One token per active row per forward, the rows batched; a row leaves the batch when it ends."""
-        if not active:
-            return
+    def _decode(self, batch: list[_Row], template: DynamicCache, stores: list[_Store | None], width: int,
+                picker: Picker, eos: set[int], ends_on_stop: EndRule | None, context: RowContext,
+                remember: bool) -> None:
+        """One token per active row per forward, the rows batched (rows 0..n-1 of the stores); a row that ends
+        leaves the batch at once, the last row moving into its place (one row's copy, not the batch's)."""
         device = self.model.device
-        lengths = [row.cached for row in active]  # positions each row's cache holds
-        cache = _stack([row.cache for row in active], lengths)
-        for row in active:
-            row.cache = None  # the batch cache holds it now
-        width = max(lengths)
-        mask = torch.tensor([[0] * (width - length) + [1] * length for length in lengths], device=device)
+        first = picker(torch.stack([row.logits for row in batch])).tolist()
+        for row, token in zip(batch, first):
+            row.logits = None
+            self._append(row, token, eos, ends_on_stop)
+        # Recurrent layers: the rows' states side by side (they are per row until now).
+        recurrent = {index: _combined([row.cache.layers[index] for row in batch], torch.cat)
+                     for index, store in enumerate(stores) if store is None}
+        for row in batch:
+            row.cache = None  # the batch holds every row's state now
+        columns = width + max(row.limit for row in batch)
+        mask = torch.zeros(len(batch), columns, dtype=torch.bool, device=device)
+        for row in batch:
+            mask[row.slot, row.start : width] = True
+        active, end = list(batch), width
         while active:
+            for row in sorted((row for row in active if row.ended_by is not None), key=lambda row: -row.slot):
+                self._leave(row, active, stores, recurrent, mask, template, end, remember)
+            if not active:
+                break
+            count, start = len(active), min(row.start for row in active)
+            cache = _with_layers(template, [recurrent[index] if store is None else
+                                            _StoreLayer(store, slice(0, count), start, end)
+                                            for index, store in enumerate(stores)])
             with context([row.key for row in active]):
                 while all(row.ended_by is None for row in active):
                     tokens = torch.tensor([[row.new[-1]] for row in active], device=device)
                     positions = torch.tensor([[row.cached] for row in active], device=device)
-                    mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
-                    logits = self._forward(tokens, cache, positions, mask)
-                    for row, token in zip(active, picker(logits).tolist()):
+                    mask[:count, end] = True
+                    logits = self._forward(tokens, cache, positions, mask[:count, start : end + 1])
+                    end += 1
+                    for row, token in zip(active, picker(logits[:, -1]).tolist()):
                         row.cached += 1
                         self._append(row, token, eos, ends_on_stop)
-            pads = (mask == 0).sum(dim=1).tolist()
-            for index, row in enumerate(active):
-                if row.ended_by == "stop":  # its cache may serve the row's next turn
-                    row.cache = _take(cache, torch.tensor([index], device=device), pads[index])
-            keep = [index for index, row in enumerate(active) if row.ended_by is None]
-            if keep:
-                trim = min(pads[index] for index in keep)
-                selected = torch.tensor(keep, device=device)
-                cache, mask = _take(cache, selected, trim), mask[selected, trim:]
-            active = [active[index] for index in keep]
+
+    @staticmethod
+    def _leave(row: _Row, active: list[_Row], stores: list[_Store | None], recurrent: dict[int, Any],
+               mask: torch.Tensor, template: DynamicCache, end: int, remember: bool) -> None:
+        """Take `row` out of the decode batch (keeping its cache where it may serve the row's next turn)."""
+        slot, last = row.slot, len(active) - 1
+        if remember and row.ended_by == "stop":
+            layers = [_combined([recurrent[index]], lambda states: states[0][slot : slot + 1].clone())
+                      if store is None else _kv_layer(store.keys[slot : slot + 1, :, row.start : end].clone(),
+                                                      store.values[slot : slot + 1, :, row.start : end].clone())
+                      for index, store in enumerate(stores)]
+            row.cache = _with_layers(template, layers)
+        else:
+            row.cache = None
+        moved = active[last]
+        if slot != last:
+            for store in stores:
+                if store is not None:
+                    store.move(last, slot, moved.start, end)
+            mask[slot] = mask[last]
+            active[slot], moved.slot = moved, slot
+        active.pop()
+        for layer in recurrent.values():
+            _each_state(layer, lambda tensor: _drop_last(tensor, slot))
+
+
+def _drop_last(tensor: torch.Tensor, slot: int) -> torch.Tensor:
+    """The batch state without row `slot`: the last row moves into its place."""
+    if slot != tensor.shape[0] - 1:
+        tensor[slot] = tensor[-1]
+    return tensor[:-1]
+
+
+def _kv_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
+    layer = DynamicLayer()
+    layer.keys, layer.values, layer.is_initialized, layer.device = keys, values, True, keys.device
+    return layer
+
+
+def _each_state(layer: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    for name in ("conv_states", "recurrent_states"):
+        states = getattr(layer, name)
+        for index, tensor in states.items():
+            if tensor is not None:
+                states[index] = change(tensor)
 
 
 def _stop_rule(tokenizer: Any, stop_strings: Sequence[str]) -> EndRule | None:

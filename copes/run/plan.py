@@ -6,10 +6,14 @@ Contract:
   (default: the visible device's free memory, or 24 GiB when there is none). It never loads weights.
 - The plan counts, in bytes on the device: the weights; the restore backup (one subspace's chunks for `--restore
   device`, nothing for host/subtract); fp32 masters and Adam moments; the update's transient buffers; and per row
-  of a generate call, the KV cache and gated delta-net (conv + recurrent) state for the row's whole context, plus
-  the activation peak of the largest prefill (one decoder layer's transients over the prefilled tokens, the 4-D
-  attention mask, the last position's logits). The update runs when no rollout memory is live, so the peak is
-  fixed + max(update buffers, rollout).
+  of a generate call, the KV cache and gated delta-net (conv + recurrent) state for the row's whole context and
+  the decode step's transients. The prefill's activation peak (one decoder layer's transients over the prefilled
+  tokens, its attention mask) depends on the engine: the HF engine of a tool run (copes.rollout.hf_engine, row
+  caches) prefills one chunk of at most `prefill_chunk_tokens` positions at a time, so that peak is counted once
+  per generate call, whatever the rows; it keeps a row's cache for the row's next turn, so a row's KV is counted
+  for its whole context (the call's store) plus the previous turn's context (the kept copy, until prefilled).
+  A rollout without tools runs one batched `generate` (left-padded, unchunked), whose prefill peak is per row.
+  The update runs when no rollout memory is live, so the peak is fixed + max(update buffers, rollout).
 - Context per row is the worst case: the prompt, every turn's full `max_new_tokens`, and every tool result at
   `max_observation_tokens` (capped by `max_context_tokens`). The prompt is taken as PROMPT_TOKENS.
 - A fixed reserve (RESERVE_BYTES + RESERVE_FRACTION of the card) stands for the CUDA context, cuBLAS/Triton
@@ -31,6 +35,7 @@ from typing import Any
 
 from copes.choices import PER_MEMBER_ALGORITHMS
 from copes.errors import ConfigError
+from copes.rollout.hf_engine import PREFILL_CHUNK_TOKENS
 from copes.run.config import TrainConfig
 
 GIB = 1024**3
@@ -178,17 +183,20 @@ class RolloutShape:
     generated_per_turn: int
     tool_tokens_per_turn: int
     context_tokens: int  # prompt + generated + tool tokens of the whole rollout, capped
-    prefill_tokens: int  # tokens one row prefills in the largest prefill call
+    prefill_tokens: int  # positions of the largest prefill forward (one row's, or one chunk)
+    chunked: bool = False  # the HF engine's row-cache loop: one chunk per prefill forward, caches kept per row
 
 
 def rollout_shape(cfg: TrainConfig, uses_tools: bool, prefill_chunk_tokens: int | None = None) -> RolloutShape:
+    """`prefill_chunk_tokens`: the HF engine's chunk (a tool run's engine); None: one unchunked prefill per row."""
     turns = cfg.max_turns if uses_tools else 1
     tool = cfg.max_observation_tokens + TOOL_WRAPPER_TOKENS if uses_tools else 0
     context = min(cfg.max_context_tokens, PROMPT_TOKENS + turns * cfg.max_new_tokens + (turns - 1) * tool)
-    # Today's HF engine re-sends the whole context each turn, unchunked: the last turn prefills all but its output.
+    # Worst case, a row prefills all its context but the last turn's output (a cache that cannot be reused).
     last_prefill = max(context - cfg.max_new_tokens, 1)
     prefill = min(last_prefill, prefill_chunk_tokens) if prefill_chunk_tokens else last_prefill
-    return RolloutShape(turns, PROMPT_TOKENS, cfg.max_new_tokens, tool, context, prefill)
+    return RolloutShape(turns, PROMPT_TOKENS, cfg.max_new_tokens, tool, context, prefill,
+                        chunked=prefill_chunk_tokens is not None)
 
 
 # ---------------------------------------------------------------- the plan
@@ -212,6 +220,7 @@ class MemoryPlan:
     fixed: list[PlanLine]
     update: list[PlanLine]
     per_row: list[PlanLine]
+    per_call: list[PlanLine]  # rollout memory held once per generate call, whatever its rows
     rows: int  # rows per generate call the run uses (0: none fits)
     rows_wanted: int
     activation_kind: str
@@ -238,9 +247,16 @@ class MemoryPlan:
     def row_bytes(self) -> int:
         return sum(line.bytes for line in self.per_row)
 
+    @property
+    def call_bytes(self) -> int:
+        return sum(line.bytes for line in self.per_call)
+
+    def rollout_bytes(self, rows: int) -> int:
+        return self.call_bytes + rows * self.row_bytes
+
     def peak_bytes(self, rows: int | None = None) -> int:
         rows = self.rows if rows is None else rows
-        return self.fixed_bytes + max(self.update_bytes, rows * self.row_bytes)
+        return self.fixed_bytes + max(self.update_bytes, self.rollout_bytes(rows))
 
     @property
     def fits(self) -> bool:
@@ -260,7 +276,11 @@ class MemoryPlan:
         rows += [(line.what, line.bytes, line.note) for line in self.update]
         rows += [(f"per row of a generate call ({self.rollout.context_tokens} tokens of context)", None, "")]
         rows += [(line.what, line.bytes, line.note) for line in self.per_row]
+        if self.per_call:
+            rows += [("once per generate call", None, "")]
+            rows += [(line.what, line.bytes, line.note) for line in self.per_call]
         width = max(len(what) for what, _, _ in rows) + 2
+        prefill = "chunked, one forward at a time" if self.rollout.chunked else "every row at once, unchunked"
         out = [f"memory plan for {self.shape.model_type} ({self.shape.parameters:,} parameters, "
                f"{self.shape.trainable:,} trainable) on {self.device}, {self.dtype}"]
         for what, size, note in rows:
@@ -268,11 +288,12 @@ class MemoryPlan:
         out += [
             f"rollout: {self.rollout.turns} turn(s) x {self.rollout.generated_per_turn} generated + "
             f"{self.rollout.tool_tokens_per_turn} tool tokens, prompt {self.rollout.prompt_tokens}; largest prefill "
-            f"{self.rollout.prefill_tokens} tokens per row; activation peak in the {self.activation_kind} layers",
+            f"{self.rollout.prefill_tokens} positions per forward ({prefill}); activation peak in the "
+            f"{self.activation_kind} layers",
             f"card {_gib(self.card_bytes)} ({self.card_source}), usable {_gib(self.usable_bytes)} after a "
             f"{_gib(RESERVE_BYTES)} + {RESERVE_FRACTION:.0%} reserve",
             f"peak: fixed {_gib(self.fixed_bytes)} + max(update {_gib(self.update_bytes)}, "
-            f"{self.rows} rows x {_gib(self.row_bytes)}) = {_gib(self.peak_bytes())}",
+            f"{_gib(self.call_bytes)} + {self.rows} rows x {_gib(self.row_bytes)}) = {_gib(self.peak_bytes())}",
             self.summary(),
         ]
         return "\n".join(out)
@@ -346,36 +367,53 @@ def _update_lines(cfg: TrainConfig, shape: ModelShape, s: int) -> list[PlanLine]
                      f"copy + norm of the largest tensor ({largest:,})")]
 
 
-def _row_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[list[PlanLine], str]:
+def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[list[PlanLine], list[PlanLine], str]:
+    """Per row and once per call lines of a generate call, and the layer kind of the activation peak."""
     kinds = layer_activation_bytes_per_token(shape, s)
     kind, per_token = max(kinds.items(), key=lambda item: item[1])
     context, prefill = rollout.context_tokens, rollout.prefill_tokens
-    lines = [
-        PlanLine("KV cache", kv_bytes_per_token(shape, s) * context,
-                 f"{shape.full_attention_layers} layers x 2 x {shape.kv_heads} x {shape.head_dim}"),
-        PlanLine("delta-net state", recurrent_bytes_per_row(shape, s),
-                 f"{shape.linear_layers} layers, fp32 recurrent" if shape.linear_layers else "none"),
+    kv = kv_bytes_per_token(shape, s) * context
+    state = recurrent_bytes_per_row(shape, s)
+    layers = f"{shape.full_attention_layers} layers x 2 x {shape.kv_heads} x {shape.head_dim}"
+    per_row = [PlanLine("KV cache", kv, layers)]
+    if rollout.chunked:  # the previous turn's caches, kept, coexist with the new turn's store until prefilled
+        previous = max(context - rollout.generated_per_turn - rollout.tool_tokens_per_turn, 0)
+        per_row.append(PlanLine("kept KV copy", kv_bytes_per_token(shape, s) * previous,
+                                f"the previous turn's {previous} tokens, kept for this turn"))
+    per_row.append(PlanLine("delta-net state", state,
+                            f"{shape.linear_layers} layers, fp32 recurrent" if shape.linear_layers else "none"))
+    # A masked SDPA call with several query positions gets K and V repeated to the query heads (transformers'
+    # repeat_kv), one layer at a time; a decode step packs the query heads instead (pack_gqa).
+    repeated = 2 * shape.heads * shape.head_dim * context * s if shape.full_attention_layers else 0
+    # One decoded position: a layer's transients, the mask row, fp32 logits, scores and probabilities.
+    decode = PlanLine("decode step", per_token + context + shape.vocab * 4 * 3,
+                      f"1 token x {per_token:,} B + mask + fp32 logits, scores, probabilities")
+    prefill_lines = [
         PlanLine("prefill activations", per_token * prefill, f"{prefill} tokens x {per_token:,} B ({kind})"),
-        # transformers' SDPA path builds a boolean [rows, 1, q, kv] mask when rows are padded.
+        # transformers' SDPA path builds a boolean [q, kv] mask (per row when rows are padded).
         PlanLine("attention mask", prefill * context if shape.full_attention_layers else 0, "bool [q, kv]"),
-        # Prefill computes only the last position's logits; decoding keeps fp32 logits and processed scores.
-        PlanLine("logits", shape.vocab * 4 * 3, "fp32 logits, scores, probabilities"),
+        PlanLine("prefill K/V repeated", repeated, "one layer's, to the query heads"),
+        PlanLine("prefill logits", shape.vocab * s, "the last position's"),
     ]
-    return lines, kind
+    if rollout.chunked:
+        return [*per_row, decode], prefill_lines, kind
+    return [*per_row, *prefill_lines, decode], [], kind
 
 
-def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None, prefill_chunk_tokens: int | None = None,
-             model_path: str | None = None) -> MemoryPlan:
+def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None,
+             prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS, model_path: str | None = None) -> MemoryPlan:
     """The memory plan of `cfg` (see the module docstring); reads only the model's config (from `model_path`
-    when given: a resolved local folder)."""
+    when given: a resolved local folder). `prefill_chunk_tokens`: the HF engine's chunk (its default), which
+    applies to a tool run on the HF engine; None plans an unchunked prefill of every row."""
     device = _device_type(cfg.device)
     dtype = _dtype(cfg, device)
     s = BYTES[dtype]
     shape = model_shape(load_config(model_path or cfg.model), cfg.include, cfg.exclude)
     if uses_tools is None:
         uses_tools = _task_uses_tools(cfg)
-    rollout = rollout_shape(cfg, uses_tools, prefill_chunk_tokens)
-    per_row, kind = _row_lines(shape, rollout, s)
+    chunked = uses_tools and cfg.rollout_engine == "hf"  # a tool-less run is one batched generate call
+    rollout = rollout_shape(cfg, uses_tools, prefill_chunk_tokens if chunked else None)
+    per_row, per_call, kind = _rollout_lines(shape, rollout, s)
     fixed = _fixed_lines(cfg, shape, s)
     if cfg.rollout_engine == "vllm":  # vLLM pages its own KV cache, of a fixed size, and masks nothing
         per_row = [line for line in per_row if line.what not in ("KV cache", "attention mask")]
@@ -384,10 +422,10 @@ def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None, prefill_chunk_
             fixed.append(PlanLine("packed linear weights", shape.parameters * s, "oneDNN copies (at most the weights)"))
     size, source = card_bytes(cfg)
     plan = MemoryPlan(device, size, source, dtype, shape, rollout, fixed,
-                      _update_lines(cfg, shape, s), per_row, rows=0, rows_wanted=cfg.prompt_batch,
+                      _update_lines(cfg, shape, s), per_row, per_call, rows=0, rows_wanted=cfg.prompt_batch,
                       activation_kind=kind)
     room = plan.usable_bytes - plan.fixed_bytes
-    rows_fit = max(room // plan.row_bytes, 0) if room > plan.update_bytes else 0
+    rows_fit = max((room - plan.call_bytes) // plan.row_bytes, 0) if room > plan.update_bytes else 0
     plan.rows = cfg.rollout_batch if cfg.rollout_batch is not None else min(int(rows_fit), cfg.prompt_batch)
     if not plan.fits:
         plan.advice = _advice(cfg, plan, int(rows_fit))
@@ -411,7 +449,7 @@ def _advice(cfg: TrainConfig, plan: MemoryPlan, rows_fit: int) -> str:
     if cfg.rollout_batch is not None and rows_fit >= 1:
         return f"--rollout-batch {cfg.rollout_batch} needs {_gib(plan.peak_bytes())}; use --rollout-batch {rows_fit} or less"
     fixed = {line.what: line.bytes for line in plan.fixed}
-    over = plan.fixed_bytes + max(plan.update_bytes, plan.row_bytes) - plan.usable_bytes
+    over = plan.fixed_bytes + max(plan.update_bytes, plan.rollout_bytes(1)) - plan.usable_bytes
     changes = []
     adam = fixed["fp32 masters"] + fixed["Adam moments"] + plan.update_bytes
     if cfg.optimizer == "adam":
@@ -420,8 +458,8 @@ def _advice(cfg: TrainConfig, plan: MemoryPlan, rows_fit: int) -> str:
         changes.append(f"--restore host (frees the {_gib(fixed['restore backup'])} device backup)")
     if plan.dtype == "float32":
         changes.append("--dtype bfloat16 (halves weights and caches)")
-    row_fixed = next(line.bytes for line in plan.per_row if line.what == "logits") + recurrent_bytes_per_row(plan.shape, BYTES[plan.dtype])
-    per_token = max(plan.row_bytes - row_fixed, 1) / plan.rollout.context_tokens
+    row_fixed = plan.call_bytes + sum(line.bytes for line in plan.per_row if line.what == "delta-net state")
+    per_token = max(plan.row_bytes + plan.call_bytes - row_fixed, 1) / plan.rollout.context_tokens
     room = plan.usable_bytes - plan.fixed_bytes - row_fixed
     if room > 0:
         changes.append(f"--max-context-tokens {max(int(room / per_token) // 256 * 256, 256)} "
@@ -448,4 +486,5 @@ def plan_json(plan: MemoryPlan) -> str:
     return json.dumps({"rows": plan.rows, "fits": plan.fits, "peak_bytes": plan.peak_bytes(),
                        "usable_bytes": plan.usable_bytes, "fixed": {l.what: l.bytes for l in plan.fixed},
                        "update": {l.what: l.bytes for l in plan.update},
-                       "per_row": {l.what: l.bytes for l in plan.per_row}})
+                       "per_row": {l.what: l.bytes for l in plan.per_row},
+                       "per_call": {l.what: l.bytes for l in plan.per_call}})
