@@ -59,3 +59,13 @@ def test_every_file_that_defines_numba_code_is_in_the_stamp() -> None:
                 if re.search(r"^@(numba\.njit|intrinsic|overload)", path.read_text(), re.MULTILINE)}
     assert defining <= set(numba_cache.KERNEL_FILES), f"add {sorted(defining - set(numba_cache.KERNEL_FILES))}"
     assert PACKAGE / "rng.py" in numba_cache.source_files()
+
+
+def test_each_environment_caches_in_a_folder_of_its_own() -> None:
+    """Two environments on one checkout (the vLLM virtualenv pins other numba and numpy versions) must not overwrite
+    each other's cache index: the kernels' cache folder is named by numba's and numpy's versions."""
+    from copes_kernels.backends.cpu import kernels
+
+    cache = kernels.philox_kernel._cache
+    assert type(cache._impl.locator) in (numba_cache.UserDirLocator, numba_cache.InTreeLocator)
+    assert Path(cache._cache_path).name == numba_cache.ENVIRONMENT_TAG

@@ -7,13 +7,20 @@ every kernel of this package with one digest of the files its kernels are compil
 contract's rng.py), so a change to any of them recompiles every kernel; host-side files (ops, multi_tensor, warm)
 are not in it, and a test checks that every file defining a kernel is. Imported before any kernel is defined
 (numba picks a kernel's locator then).
+
+Each environment gets a folder of its own below numba's place (`ENVIRONMENT_TAG`: numba's and numpy's versions):
+two environments on one checkout (the README's vLLM virtualenv pins other versions) would otherwise overwrite each
+other's cache index, and each start would compile again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
+import numba
+import numpy
 from numba.core import caching
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -35,6 +42,7 @@ def source_digest() -> str:
 
 
 SOURCE_STAMP = source_digest()
+ENVIRONMENT_TAG = f"numba-{numba.__version__}-numpy-{numpy.__version__}"
 
 
 class _BackendStamp:
@@ -48,6 +56,9 @@ class _BackendStamp:
 
     def get_source_stamp(self) -> str:
         return SOURCE_STAMP
+
+    def get_cache_path(self) -> str:
+        return os.path.join(super().get_cache_path(), ENVIRONMENT_TAG)
 
 
 # numba renamed these in 0.61 (the leading underscore went); setup.py allows 0.60.
