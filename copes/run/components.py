@@ -41,37 +41,49 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
         common["num_subspaces"] = cfg.num_subspaces
     if algorithm.low_rank:
         common["rank"] = cfg.rank
+    on_lora = algorithm.low_rank and cfg.rollout_engine == "vllm"
+    if on_lora:
+        common["exclude"] = [*cfg.exclude, *_tied_embeddings(cfg, model)] or None
     try:
         strategy = getattr(strategies, algorithm.strategy)(model, **common)
-        if algorithm.low_rank and cfg.rollout_engine == "vllm":
-            strategy = _lora_targets(cfg, model, strategy, common)
-        return strategy
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if on_lora:
+        _check_lora_reach(cfg, model, strategy)
+    return strategy
 
 
-def _lora_targets(cfg: TrainConfig, model: Any, strategy: Any, common: dict[str, Any]) -> Any:
-    """A low-rank strategy whose targets vLLM's LoRA adapters can carry (copes.rollout.vllm_lora): a tied embedding
-    is left out, with one notice (decided from the model alone, so copes-replay on HF leaves out the same); a linear
-    the engine's LoRA does not reach is refused in one line."""
-    from copes.es import strategies
+def _tied_embeddings(cfg: TrainConfig, model: Any) -> list[str]:
+    """The linear weights an nn.Embedding also reads (a tied lm_head), which a LoRA adapter cannot carry: left out
+    of a low-rank strategy's targets on vLLM, with one notice. Decided from the model alone, so copes-replay (on HF)
+    leaves out the same (copes.rollout.vllm_lora)."""
+    from torch import nn
+
+    read_by = {kind: {id(m.weight) for m in model.modules() if type(m) is kind} for kind in (nn.Linear, nn.Embedding)}
+    tied = [name for name, param in model.named_parameters() if id(param) in read_by[nn.Linear] & read_by[nn.Embedding]]
+    if tied and os.environ.get("RANK", "0") == "0" and _serves_lora(model):  # once: rank 0, in the run
+        print(f"notice: {cfg.algorithm} on vLLM leaves {', '.join(tied)} unperturbed (a LoRA adapter cannot carry a "
+              "tied embedding); --exclude it for the same targets on --rollout-engine hf", file=sys.stderr)
+    return tied
+
+
+def _serves_lora(model: Any) -> bool:
+    from copes.rollout.engine import engine_for
+
+    return hasattr(engine_for(model), "lora_unreachable")
+
+
+def _check_lora_reach(cfg: TrainConfig, model: Any, strategy: Any) -> None:
+    """One line naming the targets read by a linear that the vLLM engine's LoRA does not reach."""
     from copes.rollout.engine import engine_for
 
     engine = engine_for(model)
-    if hasattr(engine, "lora_unreachable"):
-        unreachable = engine.lora_unreachable({m.param.name: [name for name, _ in m.linears]
-                                               for m in strategy.matrices if not m.embeddings})
-        if unreachable:
-            raise ConfigError(f"vLLM's LoRA layers do not reach {', '.join(unreachable)}: --exclude them for "
-                              f"{cfg.algorithm} on --rollout-engine vllm")
-    tied = [m.param.name for m in strategy.matrices if m.embeddings]
-    if not tied:
-        return strategy
-    if os.environ.get("RANK", "0") == "0" and hasattr(engine, "lora_unreachable"):  # once: rank 0, in the run
-        print(f"notice: {cfg.algorithm} on vLLM leaves {', '.join(tied)} unperturbed (a LoRA adapter cannot carry a "
-              "tied embedding); --exclude it for the same targets on --rollout-engine hf", file=sys.stderr)
-    return getattr(strategies, ALGORITHMS_BY_NAME[cfg.algorithm].strategy)(model, **{**common,
-                                                                                    "exclude": [*cfg.exclude, *tied]})
+    if not hasattr(engine, "lora_unreachable"):  # an HF model (copes-replay of a vLLM run): nothing to reach
+        return
+    unreachable = engine.lora_unreachable({m.param.name: [name for name, _ in m.linears] for m in strategy.matrices})
+    if unreachable:
+        raise ConfigError(f"vLLM's LoRA layers do not reach {', '.join(unreachable)}: --exclude them for "
+                          f"{cfg.algorithm} on --rollout-engine vllm")
 
 
 def rollout_lora(cfg: TrainConfig, ranks: int) -> LoRASlots | None:
