@@ -5,7 +5,8 @@ from setuptools import find_packages, setup
 setup(
     name="copes",
     version="0.1.0",
-    description="Forward-only evolution-strategies post-training of LLMs (CoPES, ES, EGGROLL) with fused Triton kernels",
+    description="Forward-only evolution-strategies post-training of LLMs (CoPES, ES, EGGROLL) "
+                "with fused Triton kernels",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
@@ -38,7 +39,8 @@ setup(
         "math": ["math-verify>=0.7"],
         "search": ["bm25s>=0.2"],
         "hub": ["datasets>=3.0"],
-        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy>=1.11", "triton>=3.4", "trl>=0.20", "wandb>=0.18"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "ruff>=0.15", "scipy>=1.11", "triton>=3.4", "trl>=0.20",
+                 "wandb>=0.18"],
         "tensorboard": ["tensorboard>=2.15"],
         # --rollout-engine vllm on CPU (it pins torch 2.13.0+cpu and transformers 5.19; then uninstall the CUDA
         # torchvision it pulls, see the README). On a GPU machine install `vllm` itself instead.

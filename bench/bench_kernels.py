@@ -25,10 +25,11 @@ from types import ModuleType
 
 import pytest
 import torch
-from harness import DEVICE, POPULATION, RESULTS_DIR, SIGMA, SUBSPACES, device_label, element_masks, seeded_randn
 
 import copes_kernels as ck
 from copes_kernels.backends import reference
+
+from harness import DEVICE, POPULATION, RESULTS_DIR, SIGMA, SUBSPACES, device_label, element_masks, seeded_randn
 
 IMPLEMENTATIONS = ("copes", "reference", "naive") if DEVICE.type == "cpu" else ("copes", "naive")
 # The CPU ops take 0.1-600 ms each: five timed rounds after one warm-up, and the fastest one is reported, since a
@@ -231,7 +232,8 @@ def report(rows: list[Row], write_line: Callable[[str], None]) -> Path:
             vs_reference = oracle.milliseconds / row.milliseconds if oracle else float("nan")
             write_line(
                 f"{row.op:20s} {row.implementation:9s} {row.milliseconds:10.3f} "
-                f"{row.elements_per_second / 1e6:10.1f} {row.gigabytes_per_second:8.2f} {speedup:9.2f} {vs_reference:7.2f}"
+                f"{row.elements_per_second / 1e6:10.1f} {row.gigabytes_per_second:8.2f} "
+                f"{speedup:9.2f} {vs_reference:7.2f}"
             )
             writer.writerow([
                 label, row.op, row.implementation, f"{row.milliseconds:.4f}", f"{row.elements_per_second:.4g}",

@@ -1,7 +1,8 @@
 """CoPES (K=4) vs standard ES (K=1) on an MLP regression (reward = -MSE), equal evaluations per step, 3 seeds.
 
 Both use N=40 members per step (so the same number of fitness evaluations), the same sigma and lr; CoPES uses
-sigma_k = sqrt(K) sigma on each member's 1/K subspace (the paper's default). Run: python bench/copes_vs_es_mlp.py [sigma] [lr ...]
+sigma_k = sqrt(K) sigma on each member's 1/K subspace (the paper's default).
+Run: python bench/copes_vs_es_mlp.py [sigma] [lr ...]
 """
 import sys
 import time

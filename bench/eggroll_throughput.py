@@ -21,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from harness import DEVICE, SIGMA, alternating_best_seconds, machine_note, pin_one_thread, report, synchronize
 from models import (
     add_large_model_arguments,
     build_large_model,
@@ -33,8 +32,10 @@ from models import (
 from transformers import PreTrainedModel
 
 import copes
-from copes.modeling import load_model
 from copes.es.strategies.eggroll import RowMembers
+from copes.modeling import load_model
+
+from harness import DEVICE, SIGMA, alternating_best_seconds, machine_note, pin_one_thread, report, synchronize
 
 GOAL_RATIO = 0.91
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}

@@ -17,10 +17,11 @@ import argparse
 import os
 
 import torch
-from harness import DEVICE, POPULATION, SIGMA, SUBSPACES, alternating_best_seconds, machine_note, pin_one_thread, report
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from copes.es.params import ParameterSpace
+
+from harness import DEVICE, POPULATION, SIGMA, SUBSPACES, alternating_best_seconds, machine_note, pin_one_thread, report
 
 SEED = 5
 

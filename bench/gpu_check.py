@@ -76,7 +76,8 @@ GPU = Sizes("cuda", QWEN35_4B, population=40, subspaces=4, timed_members=5, rows
                           "--ignore=kernels_tests/test_lowering.py"))
 CPU_DRY_RUN = Sizes("cpu", QWEN35_TINY, population=8, subspaces=2, timed_members=2, rows=4, lengths=(32, 64),
                     new_tokens=4, observation_tokens=8,
-                    kernel_tests=("kernels_tests/test_partition.py", "kernels_tests/test_errors.py", "-k", "partition or triton"))
+                    kernel_tests=("kernels_tests/test_partition.py", "kernels_tests/test_errors.py",
+                                  "-k", "partition or triton"))
 
 
 # ---------------------------------------------------------------- measuring
@@ -124,7 +125,8 @@ def versions(device: str) -> dict[str, str]:
     import triton
 
     found = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-             "transformers": transformers.__version__, "fla": "present" if importlib.util.find_spec("fla") else "absent"}
+             "transformers": transformers.__version__,
+             "fla": "present" if importlib.util.find_spec("fla") else "absent"}
     if device == "cuda":
         major, minor = torch.cuda.get_device_capability()
         found.update(gpu=torch.cuda.get_device_name(), arch=f"sm_{major}{minor}", cuda=str(torch.version.cuda))
@@ -153,7 +155,8 @@ def kernels(sizes: Sizes) -> dict[str, Any]:
     print(tests.stdout[-6000:], tests.stderr[-2000:], sep="\n")
     # The SASS counts get what is left of the phase's limit (gpu_check.sh passes it), less 10 s for the summary.
     left = float(os.environ.get("GPU_CHECK_PHASE_LIMIT_S", "190")) - (time.perf_counter() - started) - 10
-    counts = sass_counts(sizes.device, timeout_s=left) if left > 20 else ["SASS counts skipped: the tests used the phase's time"]
+    counts = (sass_counts(sizes.device, timeout_s=left) if left > 20
+              else ["SASS counts skipped: the tests used the phase's time"])
     print("\n".join(counts))
     tail = tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else "no pytest output"
     return {"ok": tests.returncode == 0, "versions": versions(sizes.device), "pytest": tail,
@@ -216,7 +219,7 @@ def restore_modes(model: torch.nn.Module, sizes: Sizes, reference: list[torch.Te
             space = ParameterSpace(model, restore=mode)
         partition = space.partition(seed=1, num_subspaces=sizes.subspaces)
 
-        def member(index: int) -> None:
+        def member(index: int, space=space, partition=partition) -> None:
             space.perturb(partition, seed=1, member=index, subspace=index % sizes.subspaces, sigma=2e-3)
             space.restore()
 
@@ -248,7 +251,8 @@ def multi_vs_per_tensor(model: torch.nn.Module, sizes: Sizes, reference: list[to
         space.restore()
         space.apply_update(partition, seed=2, members=[0], coeffs=[0.0], member_subspaces=[0])  # warm-up, no change
         baseline = reset_peak(sizes.device)
-        took = seconds(sizes.device, lambda: space.apply_update(partition, seed=2, **update_members(sizes)))
+        took = seconds(sizes.device, lambda space=space, partition=partition:
+                       space.apply_update(partition, seed=2, **update_members(sizes)))
         found[f"update_ms_{name}"] = round(1000 * took, 1)
         found[f"update_peak_gib_{name}"] = peak_gib(sizes.device, baseline)
         results[f"updated_{name}"] = snapshot(model)
@@ -280,7 +284,8 @@ def shapes(sizes: Sizes) -> dict[str, Any]:
     times = " ".join(f"{m}:{v['ms_per_member']}ms" for m, v in modes.items())
     found["summary"] = (f"{found['parameters'] / 1e6:.1f}M params {found['weights_gib']} GiB; restore bitwise "
                         f"device={modes['device']['bitwise']} host={modes['host']['bitwise']} subtract drift="
-                        f"{modes['subtract']['differing_elements']}; multi==per-tensor perturb={launches['perturbed_equal']} "
+                        f"{modes['subtract']['differing_elements']}; "
+                        f"multi==per-tensor perturb={launches['perturbed_equal']} "
                         f"update={launches['updated_equal']}; member {times}; update {launches['update_ms_multi']}ms; "
                         f"checksum peak {shown_gib(found['checksum_peak_gib'])}")
     return found
@@ -289,7 +294,8 @@ def shapes(sizes: Sizes) -> dict[str, Any]:
 # ---------------------------------------------------------------- phase: generation
 
 
-def ragged_left_padded(rows: int, length: int, vocab: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def ragged_left_padded(rows: int, length: int, vocab: int,
+                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows of lengths drawn from [length/2, length], left-padded to `length` (pad id 0, mask 0)."""
     lengths = torch.randint(length // 2, length + 1, (rows,), generator=generator)
     ids = torch.randint(1, vocab, (rows, length), generator=generator)

@@ -24,9 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import machine_note, pin_one_thread, report
-from models import (LargeModelShape, add_large_model_arguments, build_large_model, greedy_log_likelihood,
-                    large_model_shape, parameter_count, random_prompts, train_config)
+from models import (
+    LargeModelShape,
+    add_large_model_arguments,
+    build_large_model,
+    greedy_log_likelihood,
+    large_model_shape,
+    parameter_count,
+    random_prompts,
+    train_config,
+)
 from safetensors.torch import save_file
 
 import copes
@@ -35,6 +42,8 @@ from copes.run.config import build_config
 from copes.run.journal import JournalContents, JournalWriter, RunJournal, build_header, journal_path, read_journal
 from copes.run.replay import replay_run, replay_steps
 from copes.run.trainer import Trainer
+
+from harness import machine_note, pin_one_thread, report
 
 
 def folder_bytes(folder: Path) -> int:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from harness import SIGMA, machine_note, pin_one_thread, report
 from memory_probe import PeakMemory, compare_weights, reset_weights, snapshot
 from models import (
     add_large_model_arguments,
@@ -40,6 +39,8 @@ from transformers import PreTrainedModel
 
 import copes_kernels as ck
 from copes.es.params import ParameterSpace
+
+from harness import SIGMA, machine_note, pin_one_thread, report
 
 SEED, MEMBER = 5, 0
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from harness import DEVICE, synchronize
 
 from copes.es.params import ParameterSpace
+
+from harness import DEVICE, synchronize
 
 # glibc's mallopt parameter number for the mmap threshold (malloc.h: M_MMAP_THRESHOLD).
 M_MMAP_THRESHOLD = -3

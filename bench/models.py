@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from harness import DEVICE
 from transformers import GenerationConfig, PreTrainedModel, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from copes.run.config import TrainConfig, build_config, read_yaml
 from copes.modeling import read_preset
+from copes.run.config import TrainConfig, build_config, read_yaml
+
+from harness import DEVICE
 
 # Qwen3.5's attention and linear-attention heads are 64 wide; the head counts follow the hidden size.
 HEAD_DIM = 64

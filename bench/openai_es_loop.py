@@ -22,10 +22,11 @@ import argparse
 
 import numpy as np
 import torch
-from harness import DEVICE, alternating_best_seconds, machine_note, pin_one_thread, report
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import copes_kernels as ck
+
+from harness import DEVICE, alternating_best_seconds, machine_note, pin_one_thread, report
 
 SIGMA, LR = 1e-3, 5e-4
 

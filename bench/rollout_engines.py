@@ -47,13 +47,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from harness import alternating_best_seconds, machine_note, report
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 import copes
 from copes.modeling import EMBEDDED_MODEL_DIR, load_model
 from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
 from copes.tasks import get_task
+
+from harness import alternating_best_seconds, machine_note, report
 
 ModelShape = dict[str, int]
 # ~100M parameters in the decoder; the vocabulary is the embedded tiny tokenizer's (vLLM detokenizes with it).
@@ -210,8 +211,9 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
     engines: dict[str, tuple[torch.nn.Module, Rollout]] = {"hf": (hf_model, hf_rollout),
                                                            "hf-engine": (hf_model, hf_engine_rollout)}
     for weights in [engine.removeprefix("vllm-") for engine in args.engines]:
-        views, _, _ = load_rollout_model(str(folder), engine="vllm", device="cpu", dtype=dtype, cpu_threads=args.threads,
-                                         kv_cache_gib=args.kv_cache_gib, vllm_cpu_weights=weights)
+        views, _, _ = load_rollout_model(str(folder), engine="vllm", device="cpu", dtype=dtype,
+                                         cpu_threads=args.threads, kv_cache_gib=args.kv_cache_gib,
+                                         vllm_cpu_weights=weights)
         engines[f"vllm-{weights}"] = (views, vllm_rollout)
     torch.set_num_threads(args.threads)
     rows = []
@@ -220,11 +222,11 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
         same_rows = {name: sum(torch.equal(a, b) for a, b in zip(baseline, rollout(model, workload)))
                      for name, (model, rollout) in engines.items()}
         generate = alternating_best_seconds(
-            {name: (lambda m=m, r=r: r(m, workload)) for name, (m, r) in engines.items()}, args.repeats,
+            {name: (lambda m=m, r=r, w=workload: r(m, w)) for name, (m, r) in engines.items()}, args.repeats,
             clock=time.thread_time if args.cpu_clock else time.perf_counter)
         phases: dict[str, dict[str, float]] = {name: {"perturb_restore": None, "repack": None} for name in engines}
         step = dict.fromkeys(engines) if args.no_step else alternating_best_seconds(
-            {name: (lambda m=m, r=r, p=phases[name]: copes_step(m, r, workload, args.population, p))
+            {name: (lambda m=m, r=r, w=workload, p=phases[name]: copes_step(m, r, w, args.population, p))
              for name, (m, r) in engines.items()}, args.repeats)
         for name in engines:
             rows.append({
@@ -251,7 +253,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt (uniform workload)")
     # A real step is generation-bound (GSM8K answers run to hundreds of tokens after a ~100-token prompt): at 32
     # new tokens half of the timed work would be the prompts' prefill.
-    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt (uniform workload)")
+    parser.add_argument("--new-tokens", type=int, default=128,
+                        help="greedy tokens generated per prompt (uniform workload)")
     parser.add_argument("--population", type=int, default=2, help="members of the timed CoPES step (K=2)")
     parser.add_argument("--no-step", action="store_true", help="time generation only, not the CoPES step")
     parser.add_argument("--cpu-clock", action="store_true",
@@ -265,7 +268,8 @@ def main() -> None:
         parameters = build_model_folder(Path(folder), MODEL_SHAPE)
         vocab_size = Qwen3Config.from_pretrained(folder).vocab_size
         rows = [row for dtype in args.dtypes for row in measure(Path(folder), dtype, args, vocab_size)]
-    report("rollout_engines", rows, f"hf vs {', '.join(['hf-engine', *args.engines])} rollouts, random Qwen3 of {parameters / 1e6:.1f}M parameters; "
+    report("rollout_engines", rows, f"hf vs {', '.join(['hf-engine', *args.engines])} rollouts, "
+                                    f"random Qwen3 of {parameters / 1e6:.1f}M parameters; "
                                     f"{machine_note()}; {time.perf_counter() - started:.0f}s")
 
 

@@ -2,11 +2,10 @@
 namespaces tier, and the Landlock tier where the kernel has Landlock) vs git main's, in the same run (goal: no
 more than 20% slower).
 
-main's sandbox modules (`copes/tools/sandbox.py`, `sandbox_child.py`, `cgroups.py`, and `seccomp.py` where it has
-one) are read with `git show` into a package in a temporary directory, their `copes.tools` imports pointed at it,
-and imported from there, so the old implementation stays out of the package. Each round runs both sandboxes back
-to back (`harness.alternating_best_seconds`), so load on a shared machine hits them alike. The rows name the tier
-this checkout's sandbox ran in.
+main's sandbox package (`copes/tools/sandbox/`) is read with `git show` into a package in a temporary directory,
+its `copes.tools.sandbox` imports pointed at it, and imported from there, so the old implementation stays out of
+the package. Each round runs both sandboxes back to back (`harness.alternating_best_seconds`), so load on a shared
+machine hits them alike. The rows name the tier this checkout's sandbox ran in.
 
     python bench/sandbox_throughput.py [--runs-per-round 10] [--rounds 5] [--base main]
 """
@@ -22,32 +21,29 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-from harness import alternating_best_seconds, machine_note, report
+from copes.tools import PythonSandbox
+from copes.tools.sandbox import landlock
 
-from copes.tools import PythonSandbox, landlock
+from harness import alternating_best_seconds, machine_note, report
 
 REPO = Path(__file__).resolve().parents[1]
 TRIVIAL_PROGRAM = "print(sum(range(10)))"
 
 
-_SANDBOX_MODULES = ("sandbox", "sandbox_child", "cgroups", "seccomp", "landlock")
-
-
 def sandbox_module_from_git(revision: str, folder: Path) -> ModuleType:
-    """`copes/tools/sandbox.py` as of `revision`, with the modules it imports, as a package of its own (a fresh
-    name for each call, so two calls never share modules)."""
-    name = f"base_tools_{secrets.token_hex(4)}"
+    """The `copes/tools/sandbox/` package as of `revision`, as a package of its own (a fresh name for each call, so
+    two calls never share modules)."""
+    name = f"base_sandbox_{secrets.token_hex(4)}"
     package = folder / name
     package.mkdir()
-    (package / "__init__.py").write_text("")
-    for module in _SANDBOX_MODULES:
-        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:copes/tools/{module}.py"],
-                               capture_output=True, text=True)
-        if shown.returncode == 0:  # older revisions lack some of them
-            source = shown.stdout.replace("from copes.tools import", f"from {name} import")
-            (package / f"{module}.py").write_text(source.replace("from copes.tools.", f"from {name}."))
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{revision}:copes/tools/sandbox"],
+                            capture_output=True, text=True, check=True)
+    for module in (line for line in listed.stdout.split() if line.endswith(".py")):
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:copes/tools/sandbox/{module}"],
+                               capture_output=True, text=True, check=True)
+        (package / module).write_text(shown.stdout.replace("copes.tools.sandbox", name))
     sys.path.insert(0, str(folder))
-    return importlib.import_module(f"{name}.sandbox")
+    return importlib.import_module(name)
 
 
 def measure(base: str, runs_per_round: int, rounds: int) -> list[dict[str, object]]:

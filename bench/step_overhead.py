@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from harness import machine_note, pin_one_thread, report
 from models import (
     LargeModelShape,
     add_large_model_arguments,
@@ -43,6 +42,8 @@ import copes
 from copes.es.strategies import StepStats
 from copes.run.components import batch_indices
 from copes.run.trainer import Trainer
+
+from harness import machine_note, pin_one_thread, report
 
 GOAL_OVERHEAD = 0.05
 ENGINE_PHASES = ("perturb", "restore", "update")

@@ -1,4 +1,4 @@
-"""EGGROLL's population on vLLM as LoRA adapters (copes.rollout.vllm_lora) against plain vLLM inference and
+"""EGGROLL's population on vLLM as LoRA adapters (copes.rollout.vllm.lora) against plain vLLM inference and
 against the HF EGGROLL path: the "fraction of inference" the EGGROLL paper reports (91% there, on GPUs).
 
 Same random ~100M-parameter Qwen3 (bench/rollout_engines.py's model, built locally), same P members x Q prompts
@@ -29,14 +29,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from harness import alternating_best_seconds, machine_note, report
 from rollout_engines import MODEL_SHAPE, build_model_folder, random_tokens
 from transformers import Qwen3Config
 
 import copes
 from copes.modeling import load_model
 from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
-from copes.rollout.vllm_lora import LoRASlots
+from copes.rollout.vllm.lora import LoRASlots
+
+from harness import alternating_best_seconds, machine_note, report
 
 GOAL_CPU, GOAL_GPU = 0.7, 0.9
 

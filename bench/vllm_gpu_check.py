@@ -67,7 +67,7 @@ def decode_tokens_per_second(engine: Any, tokenizer: Any, *, new_tokens: int, re
 
 
 def tiny_model(folder: Path) -> Path:
-    from tiny_models import build_tiny_tokenizer, tiny_qwen3
+    from helpers.tiny_models import build_tiny_tokenizer, tiny_qwen3
 
     tokenizer = build_tiny_tokenizer(folder)
     tiny_qwen3(tokenizer, head_dim=32).save_pretrained(folder)
@@ -77,7 +77,7 @@ def tiny_model(folder: Path) -> Path:
 
 def run(model: str, *, device: str, dtype: str, kv_cache_gib: float, new_tokens: int) -> dict[str, Any]:
     """The check with CUDA graphs (on CUDA), then decode tokens/s with graphs on and off, in one process."""
-    from copes.rollout.vllm_engine import VLLMEngine
+    from copes.rollout.vllm.engine import VLLMEngine
 
     results: dict[str, Any] = {}
     for graphs in (True, False) if device != "cpu" else (False,):

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def build_model(folder: Path, hidden: int, layers: int) -> Path:
-    from tiny_models import build_tiny_tokenizer, tiny_qwen3
+    from helpers.tiny_models import build_tiny_tokenizer, tiny_qwen3
 
     tokenizer = build_tiny_tokenizer(folder)
     tiny_qwen3(tokenizer, head_dim=32, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
@@ -48,7 +48,7 @@ def measure(args: argparse.Namespace) -> None:
     """One rank's part (under torch.distributed.run, or alone): generate its share, report tokens and seconds."""
     import torch.distributed as dist
 
-    from copes.rollout.vllm_engine import VLLMEngine
+    from copes.rollout.vllm.engine import VLLMEngine
     from copes.run.distributed import init_distributed, members_for_rank
 
     context = init_distributed(args.device)

@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import RESULTS_DIR, machine_note, pin_one_thread, report, write_csv
 from memory_probe import PeakMemory
 from models import train_config
+
+from harness import RESULTS_DIR, machine_note, pin_one_thread, report, write_csv
 
 GRPO = "GRPO (TRL)"
 # Each ES method as `copes-run --algorithm X` runs it: the tiny model's preset for X (copes/assets/tiny/copes.yaml,
@@ -122,7 +123,8 @@ def es_curve(trainer: Any, curve: Curve, clock: TrainingClock) -> Curve:
     _evaluate(trainer, curve, clock, 0)
     while not clock.over:
         clock.start()
-        examples = [trainer.train_set[i] for i in batch_indices(curve.steps, cfg.prompt_batch, len(trainer.train_set), cfg.seed)]
+        examples = [trainer.train_set[i]
+                    for i in batch_indices(curve.steps, cfg.prompt_batch, len(trainer.train_set), cfg.seed)]
         trainer.population_step(curve.steps, examples)
         clock.stop()
         curve.steps += 1
@@ -159,7 +161,8 @@ def grpo_curve(trainer: Any, curve: Curve, clock: TrainingClock, output_dir: str
 
     config = GRPOConfig(
         output_dir=output_dir, learning_rate=curve.lr, seed=curve.seed, num_generations=GRPO_GENERATIONS,
-        per_device_train_batch_size=GRPO_GENERATIONS * GRPO_PROMPTS_PER_STEP, max_completion_length=trainer.cfg.max_new_tokens,
+        per_device_train_batch_size=GRPO_GENERATIONS * GRPO_PROMPTS_PER_STEP,
+        max_completion_length=trainer.cfg.max_new_tokens,
         temperature=1.0, beta=0.0, max_steps=10**6, use_cpu=True, report_to=[], save_strategy="no", logging_steps=10**6,
         disable_tqdm=True, dataloader_num_workers=0, bf16=False,
     )
@@ -227,7 +230,8 @@ def race(args: argparse.Namespace) -> list[Curve]:
     es_methods = [method for method in args.methods if method != GRPO]
     grpo_lrs = args.grpo_lrs if GRPO in args.methods else []
     sweep = run_jobs([Job(GRPO, 0, lr, *base) for lr in grpo_lrs]
-                     + [Job(method, seed, None, *base, overrides) for method in es_methods for seed in range(args.seeds)],
+                     + [Job(method, seed, None, *base, overrides)
+                        for method in es_methods for seed in range(args.seeds)],
                      args.workers)
     if not grpo_lrs:
         return sweep
@@ -259,9 +263,12 @@ def race_rows(curves: Sequence[Curve]) -> list[dict[str, Any]]:
         gain, gain_std = _mean_std([100 * c.gain for c in runs])
         rows.append({
             "method": label, "seeds": len(runs),
-            "acc_before_pct": 100 * runs[0].accuracies[0], "acc_after_pct": 100 * statistics.fmean(c.accuracies[-1] for c in runs),
-            "gain_pts": gain, "gain_std": gain_std, "share_of_grpo_pct": 100 * gain / (100 * grpo_gain) if grpo_gain else float("nan"),
-            "steps": statistics.fmean(c.steps for c in runs), "gains_pts": " ".join(f"{100 * c.gain:+.1f}" for c in runs),
+            "acc_before_pct": 100 * runs[0].accuracies[0],
+            "acc_after_pct": 100 * statistics.fmean(c.accuracies[-1] for c in runs),
+            "gain_pts": gain, "gain_std": gain_std,
+            "share_of_grpo_pct": 100 * gain / (100 * grpo_gain) if grpo_gain else float("nan"),
+            "steps": statistics.fmean(c.steps for c in runs),
+            "gains_pts": " ".join(f"{100 * c.gain:+.1f}" for c in runs),
             "wall_s": statistics.fmean(c.wall_seconds[-1] for c in runs),
         })
     return rows
@@ -388,7 +395,8 @@ def _override(text: str) -> tuple[str, Any]:
 
     key, sep, value = text.partition("=")
     if not sep or key not in FIELD_NAMES:
-        raise argparse.ArgumentTypeError(f"takes KEY=VALUE with KEY a copes-run option (population, sigma, ...), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"takes KEY=VALUE with KEY a copes-run option (population, sigma, ...), got {text!r}")
     return key, yaml.safe_load(value)
 
 
@@ -400,7 +408,8 @@ def _require_trl() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("both", "race", "memory"), default="both")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="training CPU seconds per run (its own process; evaluation excluded)")
@@ -410,7 +419,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", type=_override,
                         help="TrainConfig fields over every ES method's preset, e.g. population=128 (screening)")
     parser.add_argument("--name", default="vs_grpo", help="stem of the race's CSV and plot in bench/results")
-    parser.add_argument("--grpo-lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3], help="GRPO learning rates swept on seed 0")
+    parser.add_argument("--grpo-lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3],
+                        help="GRPO learning rates swept on seed 0")
     parser.add_argument("--evaluations", type=int, default=5, help="held-out evaluations per run after the first")
     parser.add_argument("--eval-size", type=int, default=2000,
                         help="validation problems per evaluation (the arithmetic task's split has 2000)")
@@ -430,10 +440,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     memory = memory_thread.submit(memory_rows, args) if args.part in ("both", "memory") else None
     if args.part in ("both", "race"):
         curves = race(args)
-        lines = [[c.method, c.seed, c.lr or "", s, w, a] for c in curves for s, w, a in zip(c.seconds, c.wall_seconds, c.accuracies)]
-        write_csv(f"{args.name}_curves", ["method", "seed", "lr", "training_seconds", "wall_seconds", "accuracy"], lines)
-        title = (f"tiny model, arithmetic, {args.budget_s:g} CPU s of training per run, {args.eval_size} validation problems "
-                 f"({machine_note()}, {args.workers} runs at once)")
+        lines = [[c.method, c.seed, c.lr or "", s, w, a]
+                 for c in curves for s, w, a in zip(c.seconds, c.wall_seconds, c.accuracies)]
+        write_csv(f"{args.name}_curves", ["method", "seed", "lr", "training_seconds", "wall_seconds", "accuracy"],
+                  lines)
+        title = (f"tiny model, arithmetic, {args.budget_s:g} CPU s of training per run, "
+                 f"{args.eval_size} validation problems ({machine_note()}, {args.workers} runs at once)")
         if args.set:
             title += f", ES presets under {' '.join(f'{k}={v}' for k, v in sorted(args.set.items()))}"
         report(args.name, race_rows(curves), title)
@@ -442,7 +454,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if memory is not None:
         rows = memory.result()
         memory_thread.shutdown()
-        title = f"random Qwen3 ({rows[0]['parameters'] / 1e6:.1f}M parameters), batch {args.memory_batch} ({machine_note()})"
+        title = (f"random Qwen3 ({rows[0]['parameters'] / 1e6:.1f}M parameters), batch {args.memory_batch} "
+                 f"({machine_note()})")
         report("vs_grpo_memory", rows, title)
         plot_memory(rows, RESULTS_DIR / MEMORY_PLOT_NAME, title)
         print(f"wrote {RESULTS_DIR / MEMORY_PLOT_NAME}")

@@ -32,10 +32,10 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from copes.run.config import TrainConfig, build_config
     from copes.errors import UserError
     from copes.es.params import ParameterSpace
     from copes.es.strategies import EGGROLL, CoPES, CoPESLowRank, StepPlan, StepStats, Strategy
+    from copes.run.config import TrainConfig, build_config
     from copes.run.trainer import Trainer, train
 
 

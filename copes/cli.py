@@ -18,8 +18,8 @@ from typing import Any
 import click
 import yaml
 
-from copes.run.config import FIELD_NAMES, ConfigError, TrainConfig, build_config, read_yaml
 from copes.errors import UserError
+from copes.run.config import FIELD_NAMES, ConfigError, TrainConfig, build_config, read_yaml
 
 USER_ERROR_STATUS = 2
 COMMAND_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
@@ -75,7 +75,8 @@ def config_options(
             flag, annotation = "--" + f.name.replace("_", "-"), str(f.type)
             default = defaults.get(f.name)
             shown = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            help_text = f.metadata["help"] + ("" if f.name in defaults or shown in (None, [], {}) else f" [default: {shown}]")
+            help_text = f.metadata["help"] + ("" if f.name in defaults or shown in (None, [], {})
+                                              else f" [default: {shown}]")
             kwargs: dict[str, Any] = {"default": default, "help": help_text}
             if annotation == "bool":
                 flag = f"{flag}/--no-{flag[2:]}"
@@ -111,7 +112,8 @@ def _config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
     cfg = build_config(preset, file_layer, flag_layer)
     user_set = {k for layer in (file_layer, flag_layer) for k, v in layer.items() if v is not None}
     for name in cfg.ignored_options(user_set):
-        click.echo(f"warning: --{name.replace('_', '-')} does not apply to --algorithm {cfg.algorithm}; ignored", err=True)
+        click.echo(f"warning: --{name.replace('_', '-')} does not apply to --algorithm {cfg.algorithm}; ignored",
+                   err=True)
     return cfg
 
 
@@ -120,8 +122,8 @@ def _run_as_workers(cfg: TrainConfig, resume: str | None, quiet: bool) -> int:
     status (a failed rank's: its own stderr says why)."""
     import torch
 
-    from copes.run.distributed import launch_local_ranks
     from copes.modeling import resolve_device
+    from copes.run.distributed import launch_local_ranks
 
     if resolve_device(cfg.device).type == "cuda" and torch.cuda.device_count() < cfg.workers:
         raise ConfigError(f"--workers {cfg.workers} needs one GPU each; this machine has {torch.cuda.device_count()}")
@@ -130,14 +132,17 @@ def _run_as_workers(cfg: TrainConfig, resume: str | None, quiet: bool) -> int:
     with tempfile.TemporaryDirectory(prefix="copes-workers-") as folder:
         config_file = Path(folder) / "config.yaml"
         config_file.write_text(yaml.safe_dump(settings), encoding="utf-8")
-        args = ["--config", str(config_file), *(["--resume", resume] if resume else []), *(["--quiet"] if quiet else [])]
+        args = ["--config", str(config_file), *(["--resume", resume] if resume else []),
+                *(["--quiet"] if quiet else [])]
         return launch_local_ranks(cfg.workers, ["-c", "from copes.cli import run_command; run_command()", *args])
 
 
 @click.command(context_settings=COMMAND_SETTINGS)
 @config_options()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="YAML file of options (flags override it)")
-@click.option("--resume", type=click.Path(), help="continue a run dir bit-exactly with its own settings (from its journal)")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False),
+              help="YAML file of options (flags override it)")
+@click.option("--resume", type=click.Path(),
+              help="continue a run dir bit-exactly with its own settings (from its journal)")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 @user_errors
 def run_command(config_file: str | None, resume: str | None, quiet: bool, **flags: Any) -> None:
@@ -172,7 +177,8 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     summary = trainer.train()
     before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
     if before is None or after is None:
-        say(f"{summary['steps']} steps in {summary['wall_seconds']:.0f}s (no held-out evaluation); summary: {Path(cfg.output_dir) / 'summary.json'}")
+        say(f"{summary['steps']} steps in {summary['wall_seconds']:.0f}s (no held-out evaluation); "
+            f"summary: {Path(cfg.output_dir) / 'summary.json'}")
         return
     say(f"held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) "
                f"after {summary['steps']} steps in {summary['wall_seconds']:.0f}s; "
@@ -180,8 +186,9 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 
 
 @click.command(context_settings=COMMAND_SETTINGS)
-@config_options("model", "tools", "unsafe_sandbox", "max_new_tokens", "device", "dtype", "cpu_threads", "rollout_engine",
-                "vllm_kv_cache_gib", "vllm_cpu_weights", "data_dir", "task_options", "reward", field_defaults=True)
+@config_options("model", "tools", "unsafe_sandbox", "max_new_tokens", "device", "dtype", "cpu_threads",
+                "rollout_engine", "vllm_kv_cache_gib", "vllm_cpu_weights", "data_dir", "task_options", "reward",
+                field_defaults=True)
 @click.option("--task", "tasks", multiple=True, default=["arithmetic"],
               help="task to evaluate (repeatable): a name, a dataset file, hf:OWNER/NAME or MODULE:FACTORY")
 @click.option("--split", default="test", help="split to evaluate")
@@ -194,15 +201,16 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 @click.option("--seed", type=int, default=0, help="sampling seed")
 @user_errors
 def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | None, samples: int, temperature: float,
-                 ks: tuple[int, ...], tools: bool, unsafe_sandbox: bool, max_new_tokens: int, batch_size: int, device: str, dtype: str,
-                 cpu_threads: int, rollout_engine: str, vllm_kv_cache_gib: float, vllm_cpu_weights: str, data_dir: str | None,
-                 task_options: dict[str, Any] | None, reward: tuple[str, ...], output: str | None, seed: int) -> None:
+                 ks: tuple[int, ...], tools: bool, unsafe_sandbox: bool, max_new_tokens: int, batch_size: int,
+                 device: str, dtype: str, cpu_threads: int, rollout_engine: str, vllm_kv_cache_gib: float,
+                 vllm_cpu_weights: str, data_dir: str | None, task_options: dict[str, Any] | None,
+                 reward: tuple[str, ...], output: str | None, seed: int) -> None:
     """Evaluate a model: greedy accuracy, or pass@k with the unbiased estimator over several samples."""
+    from copes.rollout import AgentConfig
+    from copes.rollout.engine import load_rollout_model
     from copes.run.components import build_tools
     from copes.run.evaluation import evaluate, format_table
     from copes.run.metrics import PhaseTimer
-    from copes.rollout import AgentConfig
-    from copes.rollout.engine import load_rollout_model
     from copes.tasks.plugins import build_task
 
     if samples < 1 or any(k < 1 or k > samples for k in ks):
@@ -218,7 +226,8 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
         examples = task.examples(split, limit=limit)
         limits = dict(max_new_tokens=max_new_tokens, batch_size=batch_size)
         agent = AgentConfig.for_task(task, **limits)
-        task_tools = build_tools(task, enabled=tools, corpus=None, retriever_url=None, timer=PhaseTimer(), corpus_dir=Path(tempfile.mkdtemp(prefix="copes-corpus-")),
+        task_tools = build_tools(task, enabled=tools, corpus=None, retriever_url=None, timer=PhaseTimer(),
+                                 corpus_dir=Path(tempfile.mkdtemp(prefix="copes-corpus-")),
                                  unsafe_sandbox=unsafe_sandbox)
         results[name] = evaluate(lm, tokenizer, task, examples, n_samples=samples, temperature=temperature, ks=ks,
                                  tools=task_tools, agent_config=agent, seed=seed)
@@ -248,7 +257,8 @@ def bench_command(config_file: str | None, steps: int, **flags: Any) -> None:
     click.echo(f"{'phase':<10} {'seconds':>9} {'share':>7}")
     for phase, seconds in sorted(step_phases.items(), key=lambda item: -item[1]):
         click.echo(f"{phase:<10} {seconds:9.3f} {100 * seconds / total:6.1f}%")
-    click.echo(f"(rollout = generate {phases.get('generate', 0.0):.3f}s + tools {phases.get('tools', 0.0):.3f}s + scoring)")
+    click.echo(f"(rollout = generate {phases.get('generate', 0.0):.3f}s + tools {phases.get('tools', 0.0):.3f}s "
+               "+ scoring)")
     click.echo(f"engine overhead (perturb + restore + update): {100 * engine / total:.1f}% of step time")
 
 

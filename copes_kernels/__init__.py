@@ -1,6 +1,7 @@
 """copes_kernels: the noise contract and fused ES ops (perturb, restore, accumulate, low-rank).
 
-Knows nothing about models or tasks: embed it in any ES trainer. The contract, in this repository: docs/noise-contract.md; how to embed it: docs/embedding.md.
+Knows nothing about models or tasks: embed it in any ES trainer. The contract, in this repository:
+docs/noise-contract.md; how to embed it: docs/embedding.md.
 """
 
 from copes_kernels.dispatch import (

@@ -172,7 +172,8 @@ def member_streams(
         seed_list, rounding_seed = [int(seed)] * count, int(seed)
         check_stream_ids(seed, 0, 0)
     else:
-        seed_list = [int(s) for s in (seeds.tolist() if isinstance(seeds, torch.Tensor) else iterable_values(seeds, "seeds"))]
+        seed_list = [int(s) for s in (seeds.tolist() if isinstance(seeds, torch.Tensor)
+                                      else iterable_values(seeds, "seeds"))]
         if len(seed_list) != count:
             raise ValueError(f"seeds has {len(seed_list)} entries but members has {count}: pass one seed per member")
         if any(not 0 <= s <= UINT64_MAX for s in seed_list):
@@ -236,7 +237,8 @@ def check_lowrank_factors(A: torch.Tensor, B: torch.Tensor, out_features: int, i
     a_shape, b_shape = A.shape, B.shape
     for name, factor, shape, rows in (("A", A, a_shape, out_features), ("B", B, b_shape, in_features)):
         if len(shape) != 3:
-            raise ValueError(f"{name} must be [population, {'out' if name == 'A' else 'in'}_features, rank], got {tuple(shape)}")
+            raise ValueError(f"{name} must be [population, {'out' if name == 'A' else 'in'}_features, rank], "
+                             f"got {tuple(shape)}")
         if shape[1] != rows:
             raise ValueError(f"{name} has {shape[1]} rows but the weight needs {rows}")
         if factor.dtype != torch.float32:
@@ -284,7 +286,8 @@ def check_lowrank_linear_args(
         raise ValueError(f"x must be [batch, ..., {weight_shape[1]}], got {tuple(x_shape)}")
     rank = check_lowrank_factors(A, B, weight_shape[0], weight_shape[1])
     if row_member.dtype != torch.int64 or row_member.shape != (x_shape[0],):
-        raise ValueError(f"row_member must be int64 of shape ({x_shape[0]},), got {row_member.dtype} {tuple(row_member.shape)}")
+        raise ValueError(f"row_member must be int64 of shape ({x_shape[0]},), "
+                         f"got {row_member.dtype} {tuple(row_member.shape)}")
     device = x.device
     if not (A.device == device and B.device == device and row_member.device == device and weight.device == device):
         for name, t in (("A", A), ("B", B), ("row_member", row_member), ("weight", weight)):
@@ -296,9 +299,11 @@ def check_lowrank_linear_args(
 
 
 def lowrank_updated(
-    weight: torch.Tensor, *, A: torch.Tensor, B: torch.Tensor, coeffs: Sequence[float] | torch.Tensor, scale: float, rounding: str
+    weight: torch.Tensor, *, A: torch.Tensor, B: torch.Tensor, coeffs: Sequence[float] | torch.Tensor, scale: float,
+    rounding: str
 ) -> torch.Tensor:
-    """After checking the arguments of a low-rank update: float32 weight + scale * sum_j coeffs[j] A_j B_j^T, as one GEMM over the stacked factors [m, P r] x [P r, n]."""
+    """After checking the arguments of a low-rank update: float32 weight + scale * sum_j coeffs[j] A_j B_j^T, as one
+    GEMM over the stacked factors [m, P r] x [P r, n]."""
     check_writable("weight", weight)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out, in], got {tuple(weight.shape)}")

@@ -81,7 +81,8 @@ def backend_for(device: torch.device | str | None) -> str:
 def _backend(setting: str, device: torch.device | str | None) -> str:
     """backend_for's answer for a COPES_BACKEND value and a device (cached: every op call asks, and reading a
     device's type costs as much as the rest of the dispatch)."""
-    device_type = "cpu" if device is None else (device if isinstance(device, torch.device) else torch.device(device)).type
+    device_type = ("cpu" if device is None
+                   else (device if isinstance(device, torch.device) else torch.device(device)).type)
     choice = _backend_choice(setting)
     if choice == "auto":
         if device_type == "cuda" and triton_available():
@@ -105,7 +106,8 @@ def _import_triton_backend(device: torch.device | str | None) -> None:
     if on_cpu and BACKEND_PACKAGES["triton"] not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 (set it before importing copes_kernels)")
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 "
+                           "(set it before importing copes_kernels)")
 
 
 @functools.cache

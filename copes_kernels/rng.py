@@ -10,9 +10,10 @@ replay in the update agree on any backend, any rank, after any resume and under 
     n0, n1  = sqrt(-2 ln u0) * (cos, sin)(2 pi u1);  n2, n3 likewise from (u2, u3)
     eps(i)  = n_(i & 3)
 
-This module is the host implementation of the contract (exact unsigned numpy arithmetic, results on any device); the Triton
-twin lives in `backends/triton/rng.py` (the compiled CPU one in `backends/cpu/numerics.py`) and must produce bit-identical words. One float32 detail: the largest word
-(x >> 8 = 2^24 - 1) rounds u to exactly 1.0 (ties-to-even); ln(1) = 0 gives a zero radius, never a NaN.
+This module is the host implementation of the contract (exact unsigned numpy arithmetic, results on any device); the
+Triton twin lives in `backends/triton/rng.py` (the compiled CPU one in `backends/cpu/numerics.py`) and must produce
+bit-identical words. One float32 detail: the largest word (x >> 8 = 2^24 - 1) rounds u to exactly 1.0
+(ties-to-even); ln(1) = 0 gives a zero radius, never a NaN.
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ def _philox_rounds(c0, c1, c2, c3, k0, k1) -> tuple[np.ndarray, ...]:
 
 def check_philox_inputs(counter: torch.Tensor, key: torch.Tensor) -> None:
     if counter.dtype != torch.int64 or key.dtype != torch.int64:
-        raise ValueError(f"counter and key must be int64 tensors holding uint32 values, got {counter.dtype}, {key.dtype}")
+        raise ValueError("counter and key must be int64 tensors holding uint32 values, "
+                         f"got {counter.dtype}, {key.dtype}")
     if counter.shape[-1:] != (4,) or key.shape[-1:] != (2,):
-        raise ValueError(f"counter must be [..., 4] and key [..., 2], got {tuple(counter.shape)} and {tuple(key.shape)}")
+        raise ValueError("counter must be [..., 4] and key [..., 2], "
+                         f"got {tuple(counter.shape)} and {tuple(key.shape)}")
     if bool(((counter < 0) | (counter > MASK32)).any()) or bool(((key < 0) | (key > MASK32)).any()):
         raise ValueError("counter and key words must lie in [0, 2^32)")
 
@@ -111,7 +114,8 @@ def _tiles_of_words(first_block: int, num_blocks: int, *, seed: int, member: int
 
 
 def philox_blocks(
-    first_block: int, num_blocks: int, *, seed: int, member: int, tensor_id: int, device: torch.device | str | None = None
+    first_block: int, num_blocks: int, *, seed: int, member: int, tensor_id: int,
+    device: torch.device | str | None = None
 ) -> torch.Tensor:
     """Philox words [num_blocks, 4] (int64) for counters q = first_block .. first_block + num_blocks - 1."""
     out = np.empty((num_blocks, 4), dtype=np.uint64)

@@ -23,7 +23,7 @@ from copes_kernels.backends.triton import lowrank, multi_tensor, perturb, update
 from copes_kernels.backends.triton import rng as triton_rng
 from copes_kernels.backends.triton import shared as _shared
 
-STREAM = {name: "i32" for name in triton_rng.STREAM_ARGS}
+STREAM = dict.fromkeys(triton_rng.STREAM_ARGS, "i32")
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 THREADS = 4 * 32  # Triton's default num_warps=4
 # Kernels whose BLOCK counts Philox counters (4 elements each) rather than elements.
@@ -138,7 +138,8 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
-        return subprocess.run([str(BIN / "cuobjdump"), flag, file.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(BIN / "cuobjdump"), flag, file.name], capture_output=True, text=True,
+                              check=True).stdout
 
 
 def resource_usage(cubin: bytes) -> str:

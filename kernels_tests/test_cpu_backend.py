@@ -98,7 +98,8 @@ def test_compiled_transcendentals_are_within_two_float32_ulps() -> None:
     assert np.all(np.abs(log - exact) <= 2 * np.spacing(np.abs(exact).astype(np.float32)) + 1e-12)
     angle = (np.float32(2 * np.pi) * u[::50]).astype(np.float32)
     sin_cos = np.array([numerics._sin_cos(value) for value in angle], np.float64)
-    for got, exact in ((sin_cos[:, 0], np.sin(angle.astype(np.float64))), (sin_cos[:, 1], np.cos(angle.astype(np.float64)))):
+    for got, exact in ((sin_cos[:, 0], np.sin(angle.astype(np.float64))),
+                       (sin_cos[:, 1], np.cos(angle.astype(np.float64)))):
         assert np.max(np.abs(got - exact)) <= 2 * 2.0**-24  # two ulps of values in [0.5, 1)
 
 
@@ -122,7 +123,8 @@ def test_perturb_matches_the_reference(
     assert cpu.perturb_(compiled, src=src, sigma=SIGMA, **chunking, **IDS) is compiled
     reference.perturb_(expected, src=src, sigma=SIGMA, **chunking, **IDS)
     untouched = torch.isnan(expected)
-    assert torch.equal(bits(compiled)[untouched], bits(expected)[untouched]), "an element outside the subspace was written"
+    assert torch.equal(bits(compiled)[untouched], bits(expected)[untouched]), (
+        "an element outside the subspace was written")
     # Each side rounds src + sigma * eps once; the eps differ by at most NORMAL_ATOL.
     assert_close_in_ulps(compiled[~untouched], expected[~untouched].double(), ulps=1, atol=SIGMA * NORMAL_ATOL)
 
@@ -211,7 +213,8 @@ def test_stochastic_accumulate_with_zero_noise_rounds_like_the_reference(dtype: 
 def test_lowrank_factors_match_the_reference(single: bool) -> None:
     shape = dict(seed=IDS["seed"], tensor_id=IDS["tensor_id"], out_features=37, in_features=1029, rank=3)
     member = 7 if single else [0, 7, MASK32]
-    for compiled, expected in zip(cpu.lowrank_factors(member=member, **shape), reference.lowrank_factors(member=member, **shape)):
+    for compiled, expected in zip(cpu.lowrank_factors(member=member, **shape),
+                                  reference.lowrank_factors(member=member, **shape)):
         assert compiled.shape == expected.shape
         torch.testing.assert_close(compiled, expected, rtol=0, atol=NORMAL_ATOL)
 
@@ -245,7 +248,8 @@ def every_op_once() -> dict[str, torch.Tensor]:
     numel, offset, chunk_size = (1 << 20) + 3, BIG_OFFSET, 4099
     chunking = dict(offset=offset, chunk_subspace=random_partition(numel, offset, chunk_size), chunk_size=chunk_size)
     src = random_values(numel, torch.bfloat16)
-    perturbed = cpu.perturb_(poisoned(numel, torch.bfloat16, "cpu"), src=src, sigma=SIGMA, subspace=2, **chunking, **IDS)
+    perturbed = cpu.perturb_(poisoned(numel, torch.bfloat16, "cpu"), src=src, sigma=SIGMA, subspace=2, **chunking,
+                             **IDS)
     accumulated = cpu.accumulate_(
         src.clone(), seed=IDS["seed"], members=MEMBERS, coeffs=COEFFS, tensor_id=1,
         member_subspaces=MEMBER_SUBSPACES, rounding="stochastic", **chunking,

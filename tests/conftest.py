@@ -19,10 +19,10 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import cli_runs  # noqa: E402
-from datadir import DATA_DIR, missing_reason  # noqa: E402
-from timing import seconds  # noqa: E402
-from tiny_models import build_tiny_tokenizer, tiny_qwen3  # noqa: E402
+from helpers import cli_runs  # noqa: E402
+from helpers.datadir import DATA_DIR, missing_reason  # noqa: E402
+from helpers.timing import seconds  # noqa: E402
+from helpers.tiny_models import build_tiny_tokenizer, tiny_qwen3  # noqa: E402
 
 if DATA_DIR.is_dir():  # the copes-run processes and get_task's default read the same folder as the tests
     os.environ.setdefault("COPES_DATA_DIR", str(DATA_DIR))

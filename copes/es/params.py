@@ -130,7 +130,8 @@ def select_parameters(
         missing = sorted(wanted - {name for name, _ in selected})
         raise ValueError(f"the model has no parameter named {', '.join(map(repr, missing))}")
     if not selected:
-        raise ValueError(f"include={include_patterns!r} / exclude={exclude_patterns!r} select no parameter of the model")
+        raise ValueError(
+            f"include={include_patterns!r} / exclude={exclude_patterns!r} select no parameter of the model")
     return selected
 
 
@@ -142,7 +143,8 @@ def rounds_away_fraction(tensor: torch.Tensor, sigma: float, slice_elements: int
     flat, total, scale = tensor.detach().reshape(-1), 0.0, 2 * math.sqrt(2) * sigma
     for start in range(0, flat.numel(), slice_elements):
         values = flat[start : start + slice_elements]
-        gaps = [(torch.nextafter(values, torch.full_like(values, bound)) - values).float().abs() for bound in (math.inf, -math.inf)]
+        gaps = [(torch.nextafter(values, torch.full_like(values, bound)) - values).float().abs()
+                for bound in (math.inf, -math.inf)]
         total += float((torch.erf(gaps[0] / scale) + torch.erf(gaps[1] / scale)).sum()) / 2
     return total / max(flat.numel(), 1)
 
@@ -151,7 +153,8 @@ def sub_ulp_names(selected: Sequence[tuple[str, torch.Tensor]], sigma: float) ->
     """The 16-bit tensors on which perturbations of scale `sigma` round away on most elements (norm weights near 1,
     Qwen3.5's A_log and dt_bias in bf16 at sigma_k = 2e-3): ES sees nothing of their noise, so their update would
     be a random walk."""
-    return [name for name, tensor in selected if tensor.dtype != torch.float32 and rounds_away_fraction(tensor, sigma) > 0.5]
+    return [name for name, tensor in selected
+            if tensor.dtype != torch.float32 and rounds_away_fraction(tensor, sigma) > 0.5]
 
 
 def _name_groups(names: Sequence[str]) -> str:
@@ -244,7 +247,8 @@ class ParameterSpace:
             )
 
     @staticmethod
-    def _without_sub_ulp(selected: list[tuple[str, torch.nn.Parameter]], sigma: float) -> list[tuple[str, torch.nn.Parameter]]:
+    def _without_sub_ulp(selected: list[tuple[str, torch.nn.Parameter]],
+                         sigma: float) -> list[tuple[str, torch.nn.Parameter]]:
         """The default selection less its sub-ulp tensors, named in one notice (an `include` keeps them)."""
         dropped = set(sub_ulp_names(selected, sigma))
         if not dropped or len(dropped) == len(selected):

@@ -51,7 +51,8 @@ def _tokens(text: str) -> list[str | int]:
 
 
 class _Parser:
-    """expression := term (('+' | '-') term)*;  term := factor (('*' | '/') factor)*;  factor := INT | '(' expression ')'"""
+    """expression := term (('+' | '-') term)*;  term := factor (('*' | '/') factor)*;
+    factor := INT | '(' expression ')'"""
 
     def __init__(self, tokens: list[str | int]) -> None:
         self.tokens = tokens

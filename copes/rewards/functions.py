@@ -287,7 +287,8 @@ class RewardSet:
     def labels(self) -> list[str]:
         return [label for label, _ in self.rewards]
 
-    def _terms(self, label: str, function: RewardFunction, completions: list[str], columns: dict[str, list[Any]]) -> list[float]:
+    def _terms(self, label: str, function: RewardFunction, completions: list[str],
+               columns: dict[str, list[Any]]) -> list[float]:
         try:
             return _checked(function(completions, **columns), len(completions))
         except RewardCallFailed as failure:

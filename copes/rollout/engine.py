@@ -2,7 +2,7 @@
 
     hf    the model the trainer holds, on its own forward: each row's cache kept across turns, chunked prefill,
           finished rows dropped (copes.rollout.hf_engine; `generate_batch` is its reference)
-    vllm  a vLLM engine that owns the weights; the trainer holds HF-named views of them (copes.rollout.vllm_engine)
+    vllm  a vLLM engine that owns the weights; the trainer holds HF-named views of them (copes.rollout.vllm.engine)
 
 Everything above (the agent loop, tools, rewards, evaluation, the strategies) is unchanged: it passes `model`
 around as before, and `engine_for(model)` finds the engine that generates for it. A rollout runs under one set of
@@ -19,7 +19,7 @@ from copes.choices import ROLLOUT_ENGINES
 from copes.modeling import load_model
 from copes.rollout.generate import Generation
 from copes.rollout.hf_engine import HFEngine, RowContext
-from copes.rollout.vllm_lora import LoRASlots
+from copes.rollout.vllm.lora import LoRASlots
 
 
 class RolloutEngine(Protocol):
@@ -54,13 +54,13 @@ def load_rollout_model(
 ) -> tuple[torch.nn.Module, Any, torch.device]:
     """(model, tokenizer, device) as `load_model` gives them; with engine="vllm" the model's parameters are views
     of the vLLM engine's weights and its rollouts run in that engine (on CPU, with `vllm_cpu_weights` linear
-    weights: "plain" or "packed", see copes.rollout.vllm_engine). On CPU, `cpu_threads` (0: torch's default) sets
+    weights: "plain" or "packed", see copes.rollout.vllm.engine). On CPU, `cpu_threads` (0: torch's default) sets
     torch's intra-op threads. `lora` (vLLM only) starts the engine with LoRA adapters enabled, for a batched
-    low-rank population (copes.rollout.vllm_lora); the hf engine routes rows without it."""
+    low-rank population (copes.rollout.vllm.lora); the hf engine routes rows without it."""
     if engine == "hf":
         loaded = load_model(model, device=device, dtype=dtype)
     elif engine == "vllm":
-        from copes.rollout.vllm_engine import VLLMEngine  # imports vllm: only when asked for
+        from copes.rollout.vllm.engine import VLLMEngine  # imports vllm: only when asked for
 
         vllm_engine = VLLMEngine(model, device=device, dtype=dtype, cpu_threads=cpu_threads, kv_cache_gib=kv_cache_gib,
                                  max_context_tokens=max_context_tokens, cpu_weights=vllm_cpu_weights, lora=lora)

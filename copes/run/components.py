@@ -15,16 +15,16 @@ import numpy as np
 
 from copes.choices import ALGORITHMS_BY_NAME
 from copes.errors import ConfigError
+from copes.rewards.functions import callable_label
 from copes.run.config import TrainConfig
 from copes.run.metrics import PhaseTimer
-from copes.rewards.functions import callable_label
 from copes.tasks import Example, Task
 from copes.tasks.plugins import RewardSpec, build_task, with_rewards
 
 if TYPE_CHECKING:  # the strategies, the rollout code (and torch) load only when a run builds them
     from copes.es.strategies.base import Strategy
     from copes.rollout import AgentConfig
-    from copes.rollout.vllm_lora import LoRASlots
+    from copes.rollout.vllm.lora import LoRASlots
 
 
 def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
@@ -36,7 +36,8 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
         common["fitness"] = cfg.fitness
     algorithm = ALGORITHMS_BY_NAME[cfg.algorithm]
     if algorithm.per_member:
-        common.update(chunk_size=cfg.chunk_size, restore=cfg.restore, antithetic=cfg.antithetic, optimizer=cfg.optimizer)
+        common.update(chunk_size=cfg.chunk_size, restore=cfg.restore, antithetic=cfg.antithetic,
+                      optimizer=cfg.optimizer)
     if algorithm.subspaces or algorithm.per_member:
         common["num_subspaces"] = cfg.num_subspaces
     if algorithm.low_rank:
@@ -56,7 +57,7 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
 def _tied_embeddings(cfg: TrainConfig, model: Any) -> list[str]:
     """The linear weights an nn.Embedding also reads (a tied lm_head), which a LoRA adapter cannot carry: left out
     of a low-rank strategy's targets on vLLM, with one notice. Decided from the model alone, so copes-replay (on HF)
-    leaves out the same (copes.rollout.vllm_lora)."""
+    leaves out the same (copes.rollout.vllm.lora)."""
     from torch import nn
 
     read_by = {kind: {id(m.weight) for m in model.modules() if type(m) is kind} for kind in (nn.Linear, nn.Embedding)}
@@ -91,7 +92,7 @@ def rollout_lora(cfg: TrainConfig, ranks: int) -> LoRASlots | None:
     largest share: members_for_rank's sizes differ by at most one); None for hf and the per-member algorithms."""
     if cfg.rollout_engine != "vllm" or not ALGORITHMS_BY_NAME[cfg.algorithm].low_rank:
         return None
-    from copes.rollout.vllm_lora import LoRASlots
+    from copes.rollout.vllm.lora import LoRASlots
 
     return LoRASlots(adapters=-(-cfg.population // ranks), rank=cfg.rank)
 

@@ -16,16 +16,28 @@ from typing import Any
 
 import yaml
 
-from copes.choices import (ALGORITHM_TABLE, ALGORITHMS, DTYPES, FITNESS_MODES, LOWRANK_ALGORITHMS, OPTIMIZERS,
-                           PER_MEMBER_ALGORITHMS, RESTORE_MODES, ROLLOUT_ENGINES, SUBSPACE_ALGORITHMS, TOOL_FORMATS,
-                           VLLM_CPU_WEIGHTS)
-from copes.errors import ConfigError, UserError
+from copes.choices import (
+    ALGORITHM_TABLE,
+    ALGORITHMS,
+    DTYPES,
+    FITNESS_MODES,
+    LOWRANK_ALGORITHMS,
+    OPTIMIZERS,
+    PER_MEMBER_ALGORITHMS,
+    RESTORE_MODES,
+    ROLLOUT_ENGINES,
+    SUBSPACE_ALGORITHMS,
+    TOOL_FORMATS,
+    VLLM_CPU_WEIGHTS,
+)
+from copes.errors import ConfigError
 
 # Where each algorithm-specific option applies; an option set for any other algorithm is ignored (with a warning).
 # Options that fix a run's trajectory: a resumed run must share them with the journal it continues.
-RESUME_KEYS = ("model", "task", "task_options", "reward", "reward_weights", "algorithm", "population", "subspaces", "sigma", "lr", "rank",
-               "prompt_batch", "fitness", "antithetic", "optimizer", "chunk_size", "seed", "dtype", "include", "exclude", "restore", "max_new_tokens",
-               "tool_budgets", "tool_format", "template_kwargs")
+RESUME_KEYS = ("model", "task", "task_options", "reward", "reward_weights", "algorithm", "population", "subspaces",
+               "sigma", "lr", "rank", "prompt_batch", "fitness", "antithetic", "optimizer", "chunk_size", "seed",
+               "dtype", "include", "exclude", "restore", "max_new_tokens", "tool_budgets", "tool_format",
+               "template_kwargs")
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
@@ -75,14 +87,17 @@ class TrainConfig:
     max_turns: int = _opt(8, "agent turns per question (tool calls need turns)")
     max_context_tokens: int = _opt(131072, "hard cap on prompt + generated tokens per question (paper: 128K)")
     tools: bool = _opt(True, "let the agent call the Python sandbox and search (where the task supports them)")
-    tool_budgets: dict[str, int] = _opt({}, "calls allowed per tool per question, e.g. python=5 search=3 (default: the paper's for the task kind)")
-    tool_format: str = _opt("auto", "tool-call format: qwen (<tool_call> JSON) | tags (<python>/<search>) | auto (from the chat template)", choices=TOOL_FORMATS)
+    tool_budgets: dict[str, int] = _opt({}, "calls allowed per tool per question, e.g. python=5 search=3 "
+                                            "(default: the paper's for the task kind)")
+    tool_format: str = _opt("auto", "tool-call format: qwen (<tool_call> JSON) | tags (<python>/<search>) | "
+                                    "auto (from the chat template)", choices=TOOL_FORMATS)
     template_kwargs: dict[str, Any] = _opt({}, "extra chat-template variables, e.g. enable_thinking=false")
     unsafe_sandbox: bool = _opt(False, "run the Python tool even where the sandbox cannot isolate model-written code "
                                        "(no namespaces or cgroups here); a loud warning says what is missing")
     max_observation_tokens: int = _opt(1024, "each tool result (program output, passages) is clipped to this many "
                                              "tokens before it enters the model's context")
-    search_corpus: str | None = _opt(None, "BM25 corpus jsonl for the search tool (default: built from the task's contexts)")
+    search_corpus: str | None = _opt(None, "BM25 corpus jsonl for the search tool "
+                                           "(default: built from the task's contexts)")
     retriever_url: str | None = _opt(None, "Search-R1 style retrieval server URL instead of local BM25")
     fitness: str | None = _opt(None, "reward standardisation (default: joint for copes/es/copes-lowrank, "
                                      "per_question for eggroll)", choices=FITNESS_MODES)
@@ -116,7 +131,8 @@ class TrainConfig:
     eval_split: str = _opt("validation", "split used for held-out accuracy (falls back to test if absent)")
     eval_size: int = _opt(200, "held-out questions evaluated before, during and after training")
     eval_every: int = _opt(0, "steps between held-out evaluations during training (0: only before and after)")
-    checkpoint_every: int = _opt(0, "steps between checkpoint exports (0: only at the end); resume needs only the journal")
+    checkpoint_every: int = _opt(0, "steps between checkpoint exports (0: only at the end); "
+                                    "resume needs only the journal")
     output_dir: str = _opt("runs/copes", "where metrics, plots, summary and checkpoints go")
     budget_hours: float | None = _opt(None, "stop cleanly (checkpoint + summary) after this much wall time")
     dist_check_every: int = _opt(10, "with torchrun: steps between cross-rank weight checksum comparisons")
@@ -128,11 +144,12 @@ class TrainConfig:
     sample_every: int = _opt(10, "steps between rollout samples in samples.jsonl: the best and worst member's "
                                  "transcripts on a fixed few questions (0: none)")
     sample_prompts: int = _opt(4, "fixed questions in each rollout sample (the first held-out ones)")
-    data_dir: str | None = _opt(None, "local dataset folder (default: $COPES_DATA_DIR, else a shared/data folder beside the checkout; else the hub)")
+    data_dir: str | None = _opt(None, "local dataset folder (default: $COPES_DATA_DIR, else a shared/data folder "
+                                      "beside the checkout; else the hub)")
     include: list[str] = _opt([], "only parameters whose names match one of these patterns (default: all)")
     exclude: list[str] = _opt([], "parameters whose names match these patterns are never perturbed")
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         """Reject inconsistent settings with one sentence naming the option."""
         for option in fields(self):
             choices, value = option.metadata["choices"], getattr(self, option.name)
@@ -155,8 +172,10 @@ class TrainConfig:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")
         if self.cpu_threads < 0:
             raise ConfigError(f"--cpu-threads must be >= 0, got {self.cpu_threads}")
-        if min(self.steps, self.eval_size, self.eval_every, self.checkpoint_every, self.sample_every, self.sample_prompts) < 0:
-            raise ConfigError("--steps, eval_size, eval_every, checkpoint_every, sample_every and sample_prompts must be >= 0")
+        if min(self.steps, self.eval_size, self.eval_every, self.checkpoint_every, self.sample_every,
+               self.sample_prompts) < 0:
+            raise ConfigError("--steps, eval_size, eval_every, checkpoint_every, sample_every and sample_prompts "
+                              "must be >= 0")
         if self.algorithm in SUBSPACE_ALGORITHMS and self.population % self.subspaces:
             raise ConfigError(
                 f"--population {self.population} is not divisible by --subspaces {self.subspaces}: "
@@ -190,7 +209,8 @@ class TrainConfig:
 
     def ignored_options(self, names: Collection[str]) -> list[str]:
         """Those of `names` (options the user set) that the chosen algorithm does not use."""
-        return [f.name for f in fields(self) if f.name in names and self.algorithm not in (f.metadata["algorithms"] or ALGORITHMS)]
+        return [f.name for f in fields(self)
+                if f.name in names and self.algorithm not in (f.metadata["algorithms"] or ALGORITHMS)]
 
 
 FIELD_NAMES = {f.name for f in fields(TrainConfig)}
@@ -225,7 +245,8 @@ def build_config(*layers: dict[str, Any]) -> TrainConfig:
     for layer in layers:
         unknown = sorted(set(layer) - FIELD_NAMES)
         if unknown:
-            raise ConfigError(f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(sorted(FIELD_NAMES))}")
+            raise ConfigError(f"unknown config key(s) {', '.join(map(repr, unknown))}; "
+                              f"valid keys: {', '.join(sorted(FIELD_NAMES))}")
         merged.update({k: v for k, v in layer.items() if v is not None})
     types = {f.name: f.type for f in fields(TrainConfig)}
     for name, value in merged.items():
@@ -236,7 +257,8 @@ def build_config(*layers: dict[str, Any]) -> TrainConfig:
 def _coerce(name: str, value: Any, annotation: str) -> Any:
     if annotation.startswith("list"):
         if annotation == "list[float]":  # --reward-weights 1,0.5 or repeated, or a YAML list
-            items = [part for v in ([value] if isinstance(value, (str, int, float)) else value) for part in str(v).split(",")]
+            items = [part for v in ([value] if isinstance(value, (str, int, float)) else value)
+                     for part in str(v).split(",")]
             return [_coerce(name, item, "float") for item in items]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"option {name} must be a list, got {value!r}")

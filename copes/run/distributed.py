@@ -112,14 +112,16 @@ def _collective(what: str, step: int, call: Callable[[], Any]) -> Any:
         return call()
     except (RuntimeError, dist.DistBackendError) as error:
         raise DistributedError(
-            f"step {step}: {what} failed — another rank died, hung past the timeout or diverged ({str(error).splitlines()[0]})"
+            f"step {step}: {what} failed — another rank died, hung past the timeout or diverged "
+            f"({str(error).splitlines()[0]})"
         ) from None
 
 
 def gather_member_rewards(local: dict[int, torch.Tensor], population: int, step: int) -> list[torch.Tensor]:
     """Every rank's {member: rewards} merged into the full population list, in member order, on every rank."""
     shares: list[dict[int, torch.Tensor] | None] = [None] * dist.get_world_size()
-    _collective("gathering rewards", step, lambda: dist.all_gather_object(shares, {m: r.cpu() for m, r in local.items()}))
+    _collective("gathering rewards", step,
+                lambda: dist.all_gather_object(shares, {m: r.cpu() for m, r in local.items()}))
     merged = {member: rewards for share in shares for member, rewards in (share or {}).items()}
     missing = sorted(set(range(population)) - set(merged))
     if missing:

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from copes.run.config import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, build_config
-from copes.failpoints import failpoint
 from copes.es.params import tensor_id_for
+from copes.failpoints import failpoint
+from copes.run.config import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, build_config
 from copes.tasks.plugins import changed_source, user_sources
 
 JOURNAL_NAME = "journal"
@@ -57,7 +57,8 @@ def strategy_identity(strategy: Any) -> dict[str, Any]:
     return {"strategy": config, "tensor_ids": {name: tensor_id_for(name) for name in names}}
 
 
-def build_header(cfg: TrainConfig, model: torch.nn.Module, strategy: Any, model_path: str, *, run_id: str) -> dict[str, Any]:
+def build_header(cfg: TrainConfig, model: torch.nn.Module, strategy: Any, model_path: str, *,
+                 run_id: str) -> dict[str, Any]:
     """The journal's first record; `model` must still hold the base weights."""
     import transformers
 
@@ -215,7 +216,8 @@ def _header(lines: list[bytes], path: Path) -> dict[str, Any]:
     if not header or header.get("kind") != "header":
         raise ConfigError(f"{path}:1: the journal does not start with a header")
     if header.get("format") != FORMAT_VERSION:
-        raise ConfigError(f"{path}: journal format {header.get('format')} is not {FORMAT_VERSION}, the one this copes reads")
+        raise ConfigError(f"{path}: journal format {header.get('format')} is not {FORMAT_VERSION}, "
+                          "the one this copes reads")
     return header
 
 
@@ -273,7 +275,8 @@ class RunJournal:
     process given a writer (rank 0) touches the file.
     """
 
-    def __init__(self, run_id: str, writer: JournalWriter | None, recorded: dict[int, dict[int, torch.Tensor]] | None = None):
+    def __init__(self, run_id: str, writer: JournalWriter | None,
+                 recorded: dict[int, dict[int, torch.Tensor]] | None = None):
         self.run_id, self.writer = run_id, writer
         self._recorded = recorded or {}
 

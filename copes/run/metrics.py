@@ -93,7 +93,8 @@ def log_table(run: Any, name: str, records: list[dict[str, Any]], step: int) -> 
     import wandb
 
     columns = list(records[0])
-    rows = [[v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v) for v in r.values()] for r in records]
+    rows = [[v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v) for v in r.values()]
+            for r in records]
     run.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
 
 
@@ -124,7 +125,8 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise UserError("TensorBoard output needs the tensorboard package: pip install 'copes[tensorboard]'") from None
+                raise UserError("TensorBoard output needs the tensorboard package: "
+                                "pip install 'copes[tensorboard]'") from None
             self.board = SummaryWriter(str(path.parent / "tensorboard"))
         self.records = records_through_step(path, keep_through_step)
 
@@ -154,7 +156,8 @@ def plot_curves(records: list[dict[str, Any]], evals: list[dict[str, Any]], path
     fig, reward_axis = plt.subplots(figsize=(7, 4), dpi=120)
     steps = [r["step"] for r in records]
     reward_axis.plot(steps, [r["mean_reward"] for r in records], label="reward (population mean)", color="tab:blue")
-    reward_axis.plot(steps, [r["max_reward"] for r in records], label="reward (best member)", color="tab:blue", alpha=0.35)
+    reward_axis.plot(steps, [r["max_reward"] for r in records], label="reward (best member)", color="tab:blue",
+                     alpha=0.35)
     reward_axis.set_xlabel("step")
     reward_axis.set_ylabel("training reward")
     handles, labels = reward_axis.get_legend_handles_labels()

@@ -21,7 +21,7 @@ Contract:
 - Rows per generate call: `--rollout-batch` when given (checked), else the most rows that fit, at most the prompt
   batch. When not even one row fits, `advice` names what to change, in one line.
 The per-token activation coefficients come from the intermediates transformers' Qwen3 / Qwen3.5 layers keep alive
-(torch fallback of the gated delta rule: fp32); tests/test_plan.py measures them on CPU at reduced width.
+(torch fallback of the gated delta rule: fp32); tests/run/test_plan.py measures them on CPU at reduced width.
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ def layer_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> dic
         # output, plus the intra-chunk attention matrices (64 x 64 per head).
         repeated = 2 * shape.linear_value_heads * shape.linear_key_head_dim + value
         model_dtype = (2 * conv + repeated + value) * s
-        fp32 = (9 * max(value, shape.linear_value_heads * shape.linear_key_head_dim) + 2 * 64 * shape.linear_value_heads) * 4
+        fp32 = (9 * max(value, shape.linear_value_heads * shape.linear_key_head_dim)
+                + 2 * 64 * shape.linear_value_heads) * 4
         kinds["gated delta-net"] = residual + model_dtype + fp32
     return kinds
 
@@ -347,7 +348,8 @@ def _fixed_lines(cfg: TrainConfig, shape: ModelShape, s: int) -> list[PlanLine]:
                               else "none: EGGROLL perturbs inside the forward"))
     master = s < 4 and per_member and cfg.optimizer == "adam"  # Adam keeps fp32 masters of 16-bit weights
     lines.append(PlanLine("fp32 masters", shape.trainable * 4 if master else 0,
-                          "Adam on 16-bit weights" if master else "none (SGD with stochastic rounding)" if s < 4 else "none"))
+                          "Adam on 16-bit weights" if master
+                          else "none (SGD with stochastic rounding)" if s < 4 else "none"))
     adam = per_member and cfg.optimizer == "adam"
     lines.append(PlanLine("Adam moments", 2 * shape.trainable * 4 if adam else 0, "2 x fp32" if adam else "none (SGD)"))
     return lines
@@ -447,7 +449,8 @@ def _task_uses_tools(cfg: TrainConfig) -> bool:
 def _advice(cfg: TrainConfig, plan: MemoryPlan, rows_fit: int) -> str:
     """One line: what to change, the largest saving first."""
     if cfg.rollout_batch is not None and rows_fit >= 1:
-        return f"--rollout-batch {cfg.rollout_batch} needs {_gib(plan.peak_bytes())}; use --rollout-batch {rows_fit} or less"
+        return (f"--rollout-batch {cfg.rollout_batch} needs {_gib(plan.peak_bytes())}; "
+                f"use --rollout-batch {rows_fit} or less")
     fixed = {line.what: line.bytes for line in plan.fixed}
     over = plan.fixed_bytes + max(plan.update_bytes, plan.rollout_bytes(1)) - plan.usable_bytes
     changes = []
@@ -484,7 +487,7 @@ def check_plan(cfg: TrainConfig, *, device: str, uses_tools: bool, say: Any = pr
 def plan_json(plan: MemoryPlan) -> str:
     """The plan as JSON (for benches and the GPU check to compare against measurements)."""
     return json.dumps({"rows": plan.rows, "fits": plan.fits, "peak_bytes": plan.peak_bytes(),
-                       "usable_bytes": plan.usable_bytes, "fixed": {l.what: l.bytes for l in plan.fixed},
-                       "update": {l.what: l.bytes for l in plan.update},
-                       "per_row": {l.what: l.bytes for l in plan.per_row},
-                       "per_call": {l.what: l.bytes for l in plan.per_call}})
+                       "usable_bytes": plan.usable_bytes, "fixed": {line.what: line.bytes for line in plan.fixed},
+                       "update": {line.what: line.bytes for line in plan.update},
+                       "per_row": {line.what: line.bytes for line in plan.per_row},
+                       "per_call": {line.what: line.bytes for line in plan.per_call}})

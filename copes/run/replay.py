@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from copes.choices import PER_MEMBER_ALGORITHMS
-from copes.rollout.vllm_views import stored_tensors
+from copes.rollout.vllm.views import stored_tensors
 from copes.run import checkpoint as ckpt
 from copes.run.config import ConfigError, TrainConfig
 from copes.run.journal import JournalContents, JournalWriter, RunJournal, check_same_model, check_same_run, read_journal
@@ -107,7 +107,8 @@ def resume_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, st
     if checkpoint is not None:
         load_checkpoint_into(checkpoint, model, strategy)
     start = checkpoint.step if checkpoint else 0
-    replay_steps(strategy, contents, start + 1, contents.steps_done, with_members=replays_members(cfg), progress=progress)
+    replay_steps(strategy, contents, start + 1, contents.steps_done, with_members=replays_members(cfg),
+                 progress=progress)
     if writer:
         ckpt.remove_partial_checkpoints(run_dir / "checkpoints")
     next_step = contents.steps_done + 1
@@ -121,15 +122,16 @@ def replay_run(run_dir: str | Path, output: str | Path, *, step: int | None = No
                progress: bool = True) -> tuple[int, float]:
     """Rebuild the weights of `step` (default: the last) from the base model and the journal alone and write a
     save_pretrained folder; returns (steps replayed, seconds)."""
+    from copes.modeling import load_model
     from copes.run.components import build_strategy
     from copes.run.config import FIELD_NAMES, build_config
-    from copes.modeling import load_model
 
     run_dir = Path(run_dir)
     contents = read_journal(run_dir)
     target = contents.steps_done if step is None else step
     if not 0 <= target <= contents.steps_done:
-        raise ConfigError(f"--step {step} is outside the journal of {run_dir}, which holds steps 0..{contents.steps_done}")
+        raise ConfigError(f"--step {step} is outside the journal of {run_dir}, "
+                          f"which holds steps 0..{contents.steps_done}")
     saved = {k: v for k, v in contents.header["config"].items() if k in FIELD_NAMES}
     cfg = build_config(saved, {"device": device})
     model, tokenizer, _ = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)

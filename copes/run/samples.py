@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from copes.run.metrics import records_through_step
 from copes.rollout import Trajectory
+from copes.run.metrics import records_through_step
 from copes.tasks import Example, Score
 
 SAMPLES_FILE = "samples.jsonl"
@@ -53,7 +53,8 @@ class RolloutSamples:
     steps after the resume point are sampled again.
     """
 
-    def __init__(self, path: Path | None, examples: Sequence[Example], every: int, *, keep_through_step: int = 0) -> None:
+    def __init__(self, path: Path | None, examples: Sequence[Example], every: int, *,
+                 keep_through_step: int = 0) -> None:
         self.path, self.examples, self.every = path, list(examples), every
         self._transcripts: dict[int, list[dict[str, Any]]] = {}
         self.records: list[dict[str, Any]] = []
@@ -66,7 +67,8 @@ class RolloutSamples:
 
     def add(self, members: Sequence[int], per_member: Sequence[Sequence[tuple[Trajectory, Score]]]) -> None:
         for member, rows in zip(members, per_member, strict=True):
-            self._transcripts[member] = [transcript_record(e, t, s) for e, (t, s) in zip(self.examples, rows, strict=True)]
+            self._transcripts[member] = [transcript_record(e, t, s)
+                                         for e, (t, s) in zip(self.examples, rows, strict=True)]
 
     def write(self, step: int, rewards: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
         """Append the best and worst collected member's transcripts for `step`, given every member's rewards;

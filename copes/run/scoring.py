@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from copes.run.metrics import PhaseTimer
 from copes.rollout import AgentConfig, Trajectory, run_agent
+from copes.run.metrics import PhaseTimer
 from copes.tasks import Example, Score, Task
 
 

@@ -22,14 +22,31 @@ from copes.failpoints import failpoint
 from copes.modeling import resolve_model_path
 from copes.rollout.engine import load_rollout_model
 from copes.run.budget import Budget, BudgetSpent
-from copes.run.components import (GivenParts, batch_indices, build_agent, build_strategy, build_tools, eval_examples,
-                                   rollout_lora, split_given, task_from_config, warn_at_start)
+from copes.run.components import (
+    GivenParts,
+    batch_indices,
+    build_agent,
+    build_strategy,
+    build_tools,
+    eval_examples,
+    rollout_lora,
+    split_given,
+    task_from_config,
+    warn_at_start,
+)
 from copes.run.config import TrainConfig, build_config
-from copes.run.distributed import (barrier, broadcast_value, check_in_sync, gather_member_rewards, gather_values,
-                                   init_distributed, members_for_rank)
+from copes.run.distributed import (
+    barrier,
+    broadcast_value,
+    check_in_sync,
+    gather_member_rewards,
+    gather_values,
+    init_distributed,
+    members_for_rank,
+)
 from copes.run.evaluation import evaluate, merge_results
-from copes.run.plan import check_plan
 from copes.run.metrics import PhaseTimer, import_wandb, peak_memory_bytes, progress_bar, zero_update_warning
+from copes.run.plan import check_plan
 from copes.run.record import RunRecord
 from copes.run.replay import replay_member, replays_members
 from copes.run.scoring import MemberScoring, roll_out, rollouts
@@ -56,19 +73,21 @@ class Trainer:
             raise ConfigError(f"task {cfg.task} has no training examples")
         self.eval_set = eval_examples(self.task, cfg, warn=self.is_main)
         # Under torchrun / --workers each rank builds its own engine on its own device (vLLM's external-launcher mode:
-        # copes.rollout.vllm_engine), all ranks at once, as vLLM's engine start is collective over the world.
+        # copes.rollout.vllm.engine), all ranks at once, as vLLM's engine start is collective over the world.
         device = str(self.dist.device) if self.dist else cfg.device
         # Refuses what cannot fit before anything loads; its one-line summary is said when training starts, so a
         # mistake found before then (a journal, a resume, an output option) is still the only line on stderr.
         self.plan = check_plan(cfg, device=device, uses_tools=cfg.tools and self.task.chat, say=lambda line: None)
         self.model, self.tokenizer, self.device = load_rollout_model(
-            cfg.model, engine=cfg.rollout_engine, device=device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads, kv_cache_gib=cfg.vllm_kv_cache_gib,
-            max_context_tokens=cfg.max_context_tokens, vllm_cpu_weights=cfg.vllm_cpu_weights,
+            cfg.model, engine=cfg.rollout_engine, device=device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
+            kv_cache_gib=cfg.vllm_kv_cache_gib, max_context_tokens=cfg.max_context_tokens,
+            vllm_cpu_weights=cfg.vllm_cpu_weights,
             lora=rollout_lora(cfg, self.dist.world_size if self.dist else 1))
         if self.is_main:
             warn_at_start(self.task, self.train_set, self.tokenizer, self.model)
-        self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus, retriever_url=cfg.retriever_url,
-                                 timer=self.timer, corpus_dir=self.record.out, unsafe_sandbox=cfg.unsafe_sandbox)
+        self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus,
+                                 retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.record.out,
+                                 unsafe_sandbox=cfg.unsafe_sandbox)
         self.agent = build_agent(cfg, self.task, rows=cfg.rollout_batch or self.plan.batch_size)
         self.strategy = build_strategy(cfg, self.model)
         self.start_step, self.budget = 0, Budget(cfg.budget_hours)  # the budget restarts with train()
@@ -82,18 +101,21 @@ class Trainer:
         mine = members_for_rank(self.cfg.population, *((self.dist.rank, self.dist.world_size) if self.dist else (0, 1)))
         sampling = self.record.samples is not None and self.record.samples.due(step + 1)
         rewards = self.score_members(step + 1, mine, examples, sampling)
-        gathered = gather_member_rewards(rewards, self.cfg.population, step) if self.dist else [rewards[m] for m in mine]
+        gathered = (gather_member_rewards(rewards, self.cfg.population, step) if self.dist
+                    else [rewards[m] for m in mine])
         self.record.journal.record_members(step + 1, dict(enumerate(gathered)))  # rank 0: the other ranks' members
         if sampling:
             self.record.write_samples(step + 1, gathered)
         return self.strategy.apply_update(torch.stack(gathered))
 
-    def score_members(self, step: int, mine: list[int], examples: list[Example], sampling: bool) -> dict[int, torch.Tensor]:
+    def score_members(self, step: int, mine: list[int], examples: list[Example],
+                      sampling: bool) -> dict[int, torch.Tensor]:
         """{member: float64 rewards} of this rank's members, each journaled as it is scored; members journaled
         before a crash are not rolled out again (their perturbation is replayed where the restore mode needs it)."""
         journal = self.record.journal
         scored = dict(journal.recorded(step))
-        if self.strategy.evaluation == WHOLE_POPULATION:  # EGGROLL family: one batched call for all of this rank's members
+        # EGGROLL family: one batched call for all of this rank's members
+        if self.strategy.evaluation == WHOLE_POPULATION:
             if any(member not in scored for member in mine):  # the same call as uninterrupted, for the same numerics
                 def population_fitness(model: Any, rows: Any) -> list[list[float]]:
                     if sampling:
@@ -150,7 +172,8 @@ class Trainer:
                     raise ConfigError(f"out of memory evaluating member {member} with {rows} rows per generate call; "
                                       "lower --prompt-batch or --rollout-batch, or pass --oom-retry") from None
                 self.agent.batch_size = rows // 2
-                tqdm.write(f"out of memory on member {member} at {rows} rows per generate call; retrying with {rows // 2}")
+                tqdm.write(f"out of memory on member {member} at {rows} rows per generate call; "
+                           f"retrying with {rows // 2}")
 
     def rewards_for(self, model: Any, examples: list[Example], row_members: Any = None,
                     members: list[int] | None = None) -> list[float] | list[list[float]]:
@@ -183,7 +206,8 @@ class Trainer:
                               deadline=self.budget.deadline) if questions else None
             if self.dist:
                 result = merge_results(gather_values(result, step))
-        record = {"step": step, "accuracy": result.accuracy, "reward": result.mean_reward, "questions": result.n_examples}
+        record = {"step": step, "accuracy": result.accuracy, "reward": result.mean_reward,
+                  "questions": result.n_examples}
         self.record.evals.append(record)
         return record
 
@@ -232,7 +256,8 @@ class Trainer:
                 tqdm.write(f"warning: {zero_update_warning(step + 1, stats)}", file=sys.stderr)
             for phase, seconds in stats.phase_seconds().items():  # rollout includes generate and tools
                 self.timer.add(phase, seconds)
-            metrics = {"step": step + 1, **{k: v for k, v in asdict(stats).items() if not k.endswith("_seconds") and k != "step"},
+            metrics = {"step": step + 1,
+                       **{k: v for k, v in asdict(stats).items() if not k.endswith("_seconds") and k != "step"},
                        "time": {k: round(v - phase_before.get(k, 0.0), 4) for k, v in self.timer.seconds.items()}}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 metrics["eval"] = self.held_out(step + 1)

@@ -6,9 +6,9 @@ rollout. Rollouts (copes.rollout) know nothing about datasets; the trainer knows
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 

@@ -124,7 +124,8 @@ class CountdownTask(TaskBase):
         test_start = len(rows) - self.sizes["test"]
         validation_start = test_start - self.sizes["validation"]
         if validation_start < 0:
-            raise ValueError(f"{len(rows)} countdown rows cannot hold out {self.sizes['validation']} + {self.sizes['test']}")
+            raise ValueError(f"{len(rows)} countdown rows cannot hold out "
+                             f"{self.sizes['validation']} + {self.sizes['test']}")
         start, stop = {"train": (0, validation_start), "validation": (validation_start, test_start),
                        "test": (test_start, len(rows))}[split]
         return [_example(split, index, [int(n) for n in row["nums"]], int(row["target"]), None)

@@ -92,7 +92,8 @@ class RewardScored(ABC):
         totals, first = self.rewards.score(completions, [self.prompt(e) for e in examples],
                                            [self.columns(e) for e in examples])
         return [Score(reward=total, correct=not math.isnan(value) and value >= CORRECT_AT,
-                      answer=extract_answer(completion)) for completion, total, value in zip(completions, totals, first)]
+                      answer=extract_answer(completion))
+                for completion, total, value in zip(completions, totals, first)]
 
 
 class FileTask(RewardScored, TaskBase):
@@ -112,7 +113,8 @@ class FileTask(RewardScored, TaskBase):
         system_prompt: str | None = None,
         rewards: RewardSet | None = None,
     ) -> None:
-        self.source, self.prompt_field, self.answer_field, self.eval_file = source, prompt_field, answer_field, eval_file
+        self.source, self.prompt_field, self.answer_field = source, prompt_field, answer_field
+        self.eval_file = eval_file
         self.chat = _bool_option("chat", chat)
         self.name = Path(source).stem if not source.startswith(HUB_PREFIX) else source
         self.system_prompt = system_prompt if self.chat else None  # raw prompts carry it in their text instead
@@ -147,7 +149,8 @@ class FileTask(RewardScored, TaskBase):
     @property
     def data_files(self) -> list[str]:
         """The local files the rows come from (the journal records their sha256)."""
-        return [] if self.source.startswith(HUB_PREFIX) else [self.source, *([self.eval_file] if self.eval_file else [])]
+        return ([] if self.source.startswith(HUB_PREFIX)
+                else [self.source, *([self.eval_file] if self.eval_file else [])])
 
     def examples(self, split: str, limit: int | None = None) -> list[Example]:
         # "validation" and "test" both mean the held-out rows, whichever split they came from.

@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from copes.errors import ConfigError
-from copes.rewards.functions import DEFAULT_TIMEOUT_S, REWARD_NAMES, RewardSet, import_object, is_import_path, module_source, resolve_reward, sha256_of
+from copes.rewards.functions import (
+    DEFAULT_TIMEOUT_S,
+    REWARD_NAMES,
+    RewardSet,
+    import_object,
+    is_import_path,
+    module_source,
+    resolve_reward,
+    sha256_of,
+)
 from copes.tasks.base import Example, Task, get_task, task_names
 from copes.tasks.file_task import HUB_PREFIX, FileTask, RewardScored, is_dataset_file, parse_hub_spec
 
@@ -51,7 +60,8 @@ class RewardedTask(RewardScored):
 
 def reward_set(rewards: Sequence[RewardSpec], weights: Sequence[float], answer_field: str,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> RewardSet:
-    return RewardSet([resolve_reward(spec, answer_field=answer_field, timeout_s=timeout_s) for spec in rewards], weights)
+    return RewardSet([resolve_reward(spec, answer_field=answer_field, timeout_s=timeout_s) for spec in rewards],
+                     weights)
 
 
 def _plugin_task(spec: str, options: dict[str, Any]) -> Task:
@@ -60,7 +70,8 @@ def _plugin_task(spec: str, options: dict[str, Any]) -> Task:
         task = factory(**options)
     except TypeError as error:
         raise ConfigError(f"--task {spec}: the factory does not take these options ({error})") from None
-    missing = [name for name in ("name", "kind", "chat", "examples", "prompt", "score_batch") if not hasattr(task, name)]
+    missing = [name for name in ("name", "kind", "chat", "examples", "prompt", "score_batch")
+               if not hasattr(task, name)]
     if missing:
         raise ConfigError(f"--task {spec} returned {type(task).__name__}, not a Task (it lacks {', '.join(missing)})")
     return task

@@ -79,7 +79,8 @@ class QATask(DatasetTask):
                 continue
             for example in examples:
                 # HotpotQA sentences carry their own leading spaces, so plain concatenation restores the paragraph.
-                paragraphs += [(title, "".join(sentences).strip()) for title, sentences in example.meta.get("paragraphs", [])]
+                paragraphs += [(title, "".join(sentences).strip())
+                               for title, sentences in example.meta.get("paragraphs", [])]
         return paragraphs
 
 

@@ -9,8 +9,8 @@ from copes.tools.search import (
     Passage,
     Retriever,
     SearchError,
-    write_corpus,
     load_corpus,
+    write_corpus,
 )
 
 __all__ = [

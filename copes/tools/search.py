@@ -149,7 +149,8 @@ class BM25Search(_BatchRetriever):
         self._index = self._load_saved_index() or self._build_index(k1, b)
 
     def _tokenize(self, texts: list[str]) -> list[list[str]]:
-        return require("bm25s").tokenize(texts, stopwords="en", stemmer=self._stem, return_ids=False, show_progress=False)
+        return require("bm25s").tokenize(texts, stopwords="en", stemmer=self._stem, return_ids=False,
+                                         show_progress=False)
 
     def _build_index(self, k1: float, b: float) -> bm25s.BM25:
         index = require("bm25s").BM25(k1=k1, b=b)

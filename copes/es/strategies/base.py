@@ -240,12 +240,13 @@ class ESBase(ABC):
         if not info["zero_update"]:  # no signal: leave the weights (and any optimizer state) untouched
             update_norm = self._update(plan, r_hat)
             self.space.synchronize()
-        stats = StepStats.of_step(plan.step, info, update_norm, {**self._seconds, "update": time.perf_counter() - start})
+        stats = StepStats.of_step(plan.step, info, update_norm,
+                                  {**self._seconds, "update": time.perf_counter() - start})
         self._step += 1
         self._end_step()
         return stats
 
-    def _prepare_update(self) -> None:
+    def _prepare_update(self) -> None:  # noqa: B027 - an optional hook, a no-op unless a strategy overrides it
         """Hook: work the update needs that is not update time (EGGROLL regenerates gathered ranks' factors)."""
 
     def _end_step(self) -> None:

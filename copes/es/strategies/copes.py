@@ -30,8 +30,16 @@ import torch
 import copes_kernels as ck
 from copes.choices import OPTIMIZERS
 from copes.es.params import ParameterSpace, TrainableParameter
-from copes.es.strategies.base import (MAX_POPULATION, PER_MEMBER, ESBase, Evaluation, FitnessFn, StepPlan, StepStats,
-                                   step_seed)
+from copes.es.strategies.base import (
+    MAX_POPULATION,
+    PER_MEMBER,
+    ESBase,
+    Evaluation,
+    FitnessFn,
+    StepPlan,
+    StepStats,
+    step_seed,
+)
 
 __all__ = ["MAX_POPULATION", "OPTIMIZERS", "CoPES", "FitnessFn", "StepPlan", "StepStats", "step_seed"]
 
@@ -134,7 +142,8 @@ class CoPES(ESBase):
             sub_ulp_sigma=self.sigma_k,  # 16-bit tensors whose noise rounds away are left out, by name
         )
         self.space.fit_chunk_size(self.num_subspaces)
-        self._adam = _Adam(self.space.parameters, self.lr, self.adam_betas, self.adam_eps) if optimizer == "adam" else None
+        self._adam = (_Adam(self.space.parameters, self.lr, self.adam_betas, self.adam_eps) if optimizer == "adam"
+                      else None)
 
     def _validate(self, antithetic, optimizer, adam_betas, adam_eps, update_precision) -> None:
         if antithetic and self.members_per_subspace % 2:
@@ -163,7 +172,8 @@ class CoPES(ESBase):
             members = torch.arange(self.population, dtype=torch.int64)
             member_subspace = members % self.num_subspaces
             rank_in_subspace = members // self.num_subspaces
-            second_of_pair = (rank_in_subspace % 2 == 1) if self.antithetic else torch.zeros_like(members, dtype=torch.bool)
+            second_of_pair = ((rank_in_subspace % 2 == 1) if self.antithetic
+                              else torch.zeros_like(members, dtype=torch.bool))
             self._plan = StepPlan(
                 step=self._step,
                 seed=seed,

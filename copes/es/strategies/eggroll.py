@@ -39,10 +39,24 @@ from torch import nn
 
 import copes_kernels as ck
 from copes.es.params import ParameterSpace, select_parameters
-from copes.es.strategies.base import (WHOLE_POPULATION, ESBase, Evaluation, StepPlan, StepStats, population_rewards,
-                                   step_seed)
-from copes.es.strategies.row_routing import (LowRankMatrix, MatrixNoise, RoutedRows, RowMembers, find_matrices,
-                                          linear_weight_names, route_rows)
+from copes.es.strategies.base import (
+    WHOLE_POPULATION,
+    ESBase,
+    Evaluation,
+    StepPlan,
+    StepStats,
+    population_rewards,
+    step_seed,
+)
+from copes.es.strategies.row_routing import (
+    LowRankMatrix,
+    MatrixNoise,
+    RoutedRows,
+    RowMembers,
+    find_matrices,
+    linear_weight_names,
+    route_rows,
+)
 
 # Factors cost (m + n) * r floats per member and matrix; beyond 16 the low-rank forward stops being cheap.
 MAX_RANK = 16
@@ -198,7 +212,8 @@ class _LowRankES(ESBase):
         factors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(self.space.parameters)
         for matrix, noise, part in zip(self.matrices, self._step_noise(), plan.partition):
             used = slice(0, noise.num_members)
-            factors[self._space_index[id(matrix.param)]] = (noise.A[used], noise.B[used], r_hat[plan.members_of(int(part[0]))])
+            factors[self._space_index[id(matrix.param)]] = (noise.A[used], noise.B[used],
+                                                            r_hat[plan.members_of(int(part[0]))])
         scale = self.lr / (self.members_per_subspace * self.factor_norm)
         return self.space.apply_lowrank_update(factors, seed=plan.seed, scale=scale)
 

@@ -6,7 +6,7 @@ plain `nn.Embedding` that shares the weight (tied lm_head == embed_tokens) gets 
 lookup. Leaving the block puts every module back. Nothing here writes a weight.
 
 The block yields a `RoutedRows`: the same routing as data, for an engine that does not run these modules' forwards
-(vLLM applies each member as a LoRA adapter built from `member_factors`, copes.rollout.vllm_lora).
+(vLLM applies each member as a LoRA adapter built from `member_factors`, copes.rollout.vllm.lora).
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def find_matrices(model: nn.Module, targets: list[TrainableParameter]) -> list[L
     matrices: dict[int, LowRankMatrix] = {}
     for module_name, module in model.named_modules():
         if type(module) is nn.Linear and id(module.weight) in target_by_id:
-            matrix = matrices.setdefault(id(module.weight), LowRankMatrix(target_by_id[id(module.weight)], module.weight))
+            matrix = matrices.setdefault(id(module.weight),
+                                         LowRankMatrix(target_by_id[id(module.weight)], module.weight))
             matrix.linears.append((module_name, module))
     for module_name, module in model.named_modules():
         for _, param in module.named_parameters(recurse=False):

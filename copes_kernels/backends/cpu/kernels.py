@@ -209,7 +209,8 @@ def _packed_runs(numel, offset, chunk_size, chunk_owner, partitioned, subspace):
 @numba.njit(parallel=True, **JIT)
 def backup_kernel(chunked, chunk_owner, partitioned, subspace, chunk_size, offset):
     """A new packed copy of `subspace`'s runs (integer views: exact bits)."""
-    starts, stops, packed_starts, size = _packed_runs(chunked.size, offset, chunk_size, chunk_owner, partitioned, subspace)
+    starts, stops, packed_starts, size = _packed_runs(chunked.size, offset, chunk_size, chunk_owner, partitioned,
+                                                      subspace)
     packed = np.empty(size, chunked.dtype)
     for r in prange(starts.size):
         packed[packed_starts[r] : packed_starts[r] + stops[r] - starts[r]] = chunked[starts[r] : stops[r]]
@@ -220,7 +221,8 @@ def backup_kernel(chunked, chunk_owner, partitioned, subspace, chunk_size, offse
 def restore_kernel(chunked, packed, chunk_owner, partitioned, subspace, chunk_size, offset):
     """Write a packed copy back into `subspace`'s runs; returns the size it needs (and writes nothing if `packed`
     does not have it)."""
-    starts, stops, packed_starts, size = _packed_runs(chunked.size, offset, chunk_size, chunk_owner, partitioned, subspace)
+    starts, stops, packed_starts, size = _packed_runs(chunked.size, offset, chunk_size, chunk_owner, partitioned,
+                                                      subspace)
     if packed.size == size:
         for r in prange(starts.size):
             chunked[starts[r] : stops[r]] = packed[packed_starts[r] : packed_starts[r] + stops[r] - starts[r]]

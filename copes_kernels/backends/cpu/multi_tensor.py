@@ -55,7 +55,8 @@ def _kernel_table(table: RunTable) -> _KernelTable:
         inside &= stop <= numels[np.clip(tensor, 0, numels.size - 1)]
         inside &= (packed >= 0) & (packed + stop - start <= table.backup_numel)
         if not inside.all():
-            raise ValueError("the run table has rows outside its tensors or its backup (rebuild it with build_run_table)")
+            raise ValueError("the run table has rows outside its tensors or its backup "
+                             "(rebuild it with build_run_table)")
     bits = _BITS_VIEWS[table.dtype]
     like = kernel_array(table.tensors[0][:0])
     cached = _KernelTable(runs, pointers, numels, table.ids.numpy(), like, torch.empty(0, dtype=bits).numpy())
@@ -67,7 +68,8 @@ def _backup_bits(backup: torch.Tensor) -> np.ndarray:
     return backup.view(_BITS_VIEWS[backup.dtype]).numpy()
 
 
-def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float, backup: torch.Tensor | None = None) -> None:
+def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float,
+                   backup: torch.Tensor | None = None) -> None:
     """Perturb every tensor of `table` on its subspace's chunks in one compiled call; with `backup`
     (table.backup_numel elements of the table's dtype) first copy those chunks there, packed in row order."""
     v.check_multi_perturb_args(table, seed=seed, member=member, sigma=sigma, backup=backup)

@@ -35,6 +35,7 @@ from copes_kernels.rng import (
     UNIFORM_HALF_STEP,
     UNIFORM_SCALE,
 )
+
 # 2048 elements per tile: the float32 accumulator and the noise buffer of a tile (8 KB each) stay in L1, and the
 # per-tile set-up (one small allocation) costs under 0.1 ns per element.
 TILE = 2048

@@ -15,7 +15,8 @@ from copes_kernels.backends.reference.per_tensor import accumulate_, backup_chun
 from copes_kernels.run_tables import RunTable
 
 
-def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float, backup: torch.Tensor | None = None) -> None:
+def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float,
+                   backup: torch.Tensor | None = None) -> None:
     """Perturb every tensor of `table` on its subspace's chunks, first packing them into `backup` when given."""
     v.check_multi_perturb_args(table, seed=seed, member=member, sigma=sigma, backup=backup)
     cursor = 0

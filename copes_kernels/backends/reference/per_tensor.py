@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from copes_kernels import _validate as v
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE, selected_runs
+
 # philox4x32_10 is re-exported as the reference twin of the Triton op: the contract itself is the reference.
 from copes_kernels.rng import ROUNDING_STREAM, normal_stream, philox4x32_10, philox_blocks, words_to_uniform  # noqa: F401
 
@@ -109,10 +110,12 @@ def perturb_(
     )
     flat_dst = dst.view(-1)
     flat_src = flat_dst if src is None else src.view(-1)
-    runs = selected_runs(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+    runs = selected_runs(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
+                         chunk_size=chunk_size)
     for run_start, run_stop in runs:
         for start, stop in _tiles(run_start, run_stop):
-            eps = normal_stream(stop - start, seed=seed, member=member, tensor_id=tensor_id, offset=offset + start, device=dst.device)
+            eps = normal_stream(stop - start, seed=seed, member=member, tensor_id=tensor_id, offset=offset + start,
+                                device=dst.device)
             flat_dst[start:stop] = flat_src[start:stop].float() + float(sigma) * eps
     return dst
 
@@ -145,20 +148,24 @@ def accumulate_(
         chunk_subspace=chunk_subspace, member_subspaces=member_subspaces, chunk_size=chunk_size, rounding=rounding,
     )
     flat = target.view(-1)
-    rows = [(member, key0 | key1 << 32, coeff) for (member, key0, key1), coeff in zip(plan.streams.tolist(), plan.coeffs.tolist())]
+    rows = [(member, key0 | key1 << 32, coeff)
+            for (member, key0, key1), coeff in zip(plan.streams.tolist(), plan.coeffs.tolist())]
     subspaces = None if plan.subspaces is None else plan.subspaces.tolist()
     groups = [(None, rows)] if subspaces is None else [
         (k, [row for row, owner in zip(rows, subspaces) if owner == k]) for k in sorted(set(subspaces))
     ]
     for subspace, group in groups:
-        runs = selected_runs(target.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+        runs = selected_runs(target.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
+                             chunk_size=chunk_size)
         for run_start, run_stop in runs:
             for start, stop in _tiles(run_start, run_stop):
                 total = flat[start:stop].float()
                 for member, member_seed, coeff in group:
-                    eps = normal_stream(stop - start, seed=member_seed, member=member, tensor_id=tensor_id, offset=offset + start, device=target.device)
+                    eps = normal_stream(stop - start, seed=member_seed, member=member, tensor_id=tensor_id,
+                                        offset=offset + start, device=target.device)
                     total.add_(eps, alpha=coeff)
-                _store(flat[start:stop], total, rounding=rounding, seed=plan.rounding_seed, tensor_id=tensor_id, offset=offset + start)
+                _store(flat[start:stop], total, rounding=rounding, seed=plan.rounding_seed, tensor_id=tensor_id,
+                       offset=offset + start)
     return target
 
 
@@ -175,7 +182,8 @@ def backup_chunks(
     v.check_storage("src", src)
     v.check_chunking(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
     flat = src.view(-1)
-    runs = selected_runs(src.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+    runs = selected_runs(src.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
+                         chunk_size=chunk_size)
     if not runs:
         return flat.new_empty(0)
     return torch.cat([flat[start:stop] for start, stop in runs])
@@ -191,8 +199,10 @@ def restore_chunks_(
     offset: int = 0,
 ) -> torch.Tensor:
     """Write a `backup_chunks` copy back into its chunks: the exact inverse, bit for bit."""
-    v.check_restore_args(dst, backup, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
-    runs = selected_runs(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+    v.check_restore_args(dst, backup, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
+                         chunk_size=chunk_size)
+    runs = selected_runs(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
+                         chunk_size=chunk_size)
     v.check_backup_size(backup, expected=sum(stop - start for start, stop in runs), subspace=subspace)
     flat, packed, cursor = dst.view(-1), backup.view(-1).to(dst.device), 0
     for start, stop in runs:
@@ -215,7 +225,8 @@ def lowrank_factors(
 
     An int member gives A [m, r], B [n, r]; a sequence of members gives [P, m, r], [P, n, r].
     """
-    v.check_factor_request(seed=seed, tensor_id=tensor_id, out_features=out_features, in_features=in_features, rank=rank)
+    v.check_factor_request(seed=seed, tensor_id=tensor_id, out_features=out_features, in_features=in_features,
+                           rank=rank)
     member_list, single = v.as_member_list(member)
     a_size, b_size = out_features * rank, in_features * rank
     streams = [

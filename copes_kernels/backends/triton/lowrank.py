@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
-from copes_kernels.backends.triton.shared import store_stochastic_, to_storage
 from copes_kernels.backends.triton.rng import fill_normal_rows_
+from copes_kernels.backends.triton.shared import store_stochastic_, to_storage
 
 MIN_DOT = 16  # tl.dot's smallest tile side
 # Input columns per step of the projection and output columns per step of the correction: 64 fp32 columns of a

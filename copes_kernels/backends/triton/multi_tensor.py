@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
+from copes_kernels.backends.triton.rng import lanes_aligned, normal_tile, stream_args, tile_mask, uniform_tile
 from copes_kernels.backends.triton.shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
 from copes_kernels.run_tables import RUN_COLUMNS, RunTable, upload
-from copes_kernels.backends.triton.rng import lanes_aligned, normal_tile, stream_args, tile_mask, uniform_tile
 
 # Storage dtype -> (Triton float type, integer type of the same width for bit-exact copies).
 _TYPES = {
@@ -155,7 +155,8 @@ def member_segments(
     return integers[:k], integers[k : 2 * k], integers[2 * k :], sorted_coeffs
 
 
-def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float, backup: torch.Tensor | None = None) -> None:
+def multi_perturb_(table: RunTable, *, seed: int, member: int, sigma: float,
+                   backup: torch.Tensor | None = None) -> None:
     """Perturb every tensor of `table` on its subspace's chunks; with `backup` (table.backup_numel elements of the
     table's dtype) first copy those chunks there, packed in row order, for `multi_restore_`."""
     v.check_multi_perturb_args(table, seed=seed, member=member, sigma=sigma, backup=backup)

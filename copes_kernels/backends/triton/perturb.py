@@ -20,8 +20,6 @@ import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
-from copes_kernels.backends.triton.shared import noise_tiles_per_run, to_storage
-from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
 from copes_kernels.backends.triton.rng import (
     STREAM_ARGS,
     int64_args,
@@ -32,6 +30,8 @@ from copes_kernels.backends.triton.rng import (
     stream_args,
     tile_mask,
 )
+from copes_kernels.backends.triton.shared import noise_tiles_per_run, to_storage
+from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
 
 # Integer views for bit-exact copies, by element size.
 BIT_VIEWS = {2: torch.int16, 4: torch.int32}

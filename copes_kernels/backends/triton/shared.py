@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from copes_kernels.rng import ROUNDING_STREAM
 from copes_kernels.backends.triton.rng import (
     STREAM_ARGS,
     blocks_spanned,
@@ -26,6 +25,7 @@ from copes_kernels.backends.triton.rng import (
     tile_mask,
     uniform_tile,
 )
+from copes_kernels.rng import ROUNDING_STREAM
 
 # bfloat16 quiet NaN, the pattern torch's scalar path stores for any NaN.
 _BF16_NAN: tl.constexpr = tl.constexpr(0x7FC0)

@@ -23,8 +23,6 @@ import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
-from copes_kernels.backends.triton.shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
-from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
 from copes_kernels.backends.triton.rng import (
     STREAM_ARGS,
     int64_args,
@@ -34,6 +32,9 @@ from copes_kernels.backends.triton.rng import (
     stream_args,
     uniform_tile,
 )
+from copes_kernels.backends.triton.shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
+from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
+
 
 @triton.jit(do_not_specialize=STREAM_ARGS + ["tiles_per_run"])
 def _accumulate_kernel(
@@ -65,7 +66,8 @@ def _accumulate_kernel(
     total = tl.load(tile_ptr + lane, mask=mask).to(tl.float32)
     for j in range(tl.load(run_first_member_ptr + run), tl.load(run_end_member_ptr + run)):
         stream = streams_ptr + 3 * j
-        eps = normal_tile(first_block, tl.load(stream + 1), tl.load(stream + 2), tl.load(stream), tensor_id, BLOCK, paired)
+        eps = normal_tile(first_block, tl.load(stream + 1), tl.load(stream + 2), tl.load(stream), tensor_id, BLOCK,
+                          paired)
         total += tl.load(coeffs_ptr + j) * eps
     if STOCHASTIC:
         rounding_stream = tl.full((), ROUNDING_STREAM_WORD, tl.uint32)
@@ -102,7 +104,8 @@ def _member_segments(
     end_member = torch.searchsorted(sorted_subspaces, chunk_owner, right=True)
     updated = torch.nonzero(end_member > first_member).view(-1)  # the host sync that sizes the launch
     starts, stops = chunk_runs(updated + first, numel=numel, offset=offset, chunk_size=chunk_size)
-    return starts, stops, first_member[updated], end_member[updated], plan.streams[order].contiguous(), plan.coeffs[order]
+    return (starts, stops, first_member[updated], end_member[updated], plan.streams[order].contiguous(),
+            plan.coeffs[order])
 
 
 def accumulate_(
