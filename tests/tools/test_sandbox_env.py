@@ -19,9 +19,8 @@ import pytest
 from copes.tools import PythonSandbox, SandboxResult
 
 from helpers.paths import REPO
+from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, delegated_cgroups
 
-SETPRIV = shutil.which("setpriv")
-SYSTEM_PYTHON = next((path for path in ("/usr/bin/python3", "/usr/bin/python3.11") if os.path.exists(path)), None)
 # What the code prints: where its interpreter thinks it lives, and whether the prefix's other files are there.
 PROBE = (
     "import json, os, sys\n"
@@ -107,35 +106,18 @@ def test_a_non_root_caller_is_contained(tmp_path: Path) -> None:
     os.chown(secret, uid, uid)
     secret.chmod(0o600)
     tmp_path.chmod(0o755)
-    delegated = []
-    for controller in ("memory", "pids", "cpuacct"):
-        mine = open("/proc/self/cgroup").read().split(f":{controller}:")[1].split("\n")[0]
-        directory = Path(f"/sys/fs/cgroup/{controller}{mine}") / f"copes-test-user-{uuid.uuid4().hex[:8]}"
-        directory.mkdir()
-        for entry in [directory, *directory.iterdir()]:
-            os.chown(entry, uid, uid)
-        delegated.append(directory)
-    try:
-        code = f"try:\n    open({str(secret)!r}).read()\n    print('reached')\nexcept OSError as error:\n" \
-               "    print(error.errno)\n"
-        join = " ".join(f"echo $$ > {directory}/cgroup.procs;" for directory in delegated)
-        script = _RUN_AND_REPORT.format(python=SYSTEM_PYTHON, code=code)
-        completed = subprocess.run(
-            ["sh", "-c", f'{join} exec "$@"', "sh", SETPRIV, "--reuid", str(uid), "--regid", str(uid),
-             "--clear-groups", SYSTEM_PYTHON, "-c", script],
-            capture_output=True, text=True, timeout=180, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd="/")
-        assert completed.returncode == 0, completed.stdout + completed.stderr[-2000:]
-        report = json.loads(completed.stdout.splitlines()[-1])
-        assert report["stdout"].strip() == str(errno.ENOENT) and report["tier"] == "namespaces"
-        assert report["isolation"]["user"].startswith("yes: uid 1000 of its own user namespace, mapped to the "
-                                                      f"caller's uid {uid}")
-        assert all(status.startswith("yes") for status in report["isolation"].values()), report["isolation"]
-    finally:
-        for directory in delegated:
-            for nested in sorted(directory.rglob("*"), reverse=True):
-                if nested.is_dir():
-                    nested.rmdir()
-            directory.rmdir()
+    code = f"try:\n    open({str(secret)!r}).read()\n    print('reached')\nexcept OSError as error:\n" \
+           "    print(error.errno)\n"
+    script = _RUN_AND_REPORT.format(python=SYSTEM_PYTHON, code=code)
+    with delegated_cgroups(uid) as as_user:
+        completed = subprocess.run([*as_user, SYSTEM_PYTHON, "-c", script], capture_output=True, text=True,
+                                   timeout=180, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd="/")
+    assert completed.returncode == 0, completed.stdout + completed.stderr[-2000:]
+    report = json.loads(completed.stdout.splitlines()[-1])
+    assert report["stdout"].strip() == str(errno.ENOENT) and report["tier"] == "namespaces"
+    assert report["isolation"]["user"].startswith("yes: uid 1000 of its own user namespace, mapped to the "
+                                                  f"caller's uid {uid}")
+    assert all(status.startswith("yes") for status in report["isolation"].values()), report["isolation"]
 
 
 _DEFAULT_CONTAINER = (

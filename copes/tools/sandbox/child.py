@@ -30,6 +30,7 @@ import platform
 import resource
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import traceback
@@ -343,7 +344,9 @@ def _host_workdir(report: Report) -> str:
 
 
 def _drop_capabilities() -> str:
-    """Empty every capability set (bounding and ambient too), set no_new_privs, and read the result back."""
+    """Empty every capability set, set no_new_privs, and read the result back. The bounding set is emptied where
+    that is allowed (CAP_SETPCAP); a non-root caller cannot, and need not: under no_new_privs neither set-uid
+    binaries nor file capabilities grant anything, so a full bounding set with empty other sets holds nothing."""
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
                       ctypes.c_ulong(0)), "prctl(PR_SET_NO_NEW_PRIVS)")
     libc.prctl(PR_CAP_AMBIENT, ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), ctypes.c_ulong(0), ctypes.c_ulong(0),
@@ -353,11 +356,12 @@ def _drop_capabilities() -> str:
     data = (ctypes.c_uint32 * 6)()
     _check(libc.capset(header, data), "capset")
     status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
-    held = {name: status[name].strip() for name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
-            if int(status[name], 16)}
+    held = {name: status[name].strip() for name in ("CapInh", "CapPrm", "CapEff", "CapAmb") if int(status[name], 16)}
     if held or status["NoNewPrivs"].strip() != "1":
         raise Refused(0, f"capabilities still held: {held}")
-    return "none: effective, permitted, inheritable, ambient and bounding sets empty; no_new_privs"
+    bounding = ("bounding set empty" if not int(status["CapBnd"], 16) else
+                "bounding set left full (only CAP_SETPCAP may empty it; under no_new_privs it grants nothing)")
+    return f"none: effective, permitted, inheritable and ambient sets empty; no_new_privs; {bounding}"
 
 
 def _drop_bounding_set() -> None:
@@ -374,8 +378,9 @@ def _set_rlimits(limits: dict[str, int]) -> bool:
         resource.RLIMIT_NOFILE: (limits["open_files"],) * 2,
         resource.RLIMIT_FSIZE: (limits["file_bytes"],) * 2,
         resource.RLIMIT_CORE: (0, 0),
-        resource.RLIMIT_NPROC: (limits["processes"],) * 2,
     }
+    if limits["processes"] is not None:
+        wanted[resource.RLIMIT_NPROC] = (limits["processes"],) * 2
     for limit, values in wanted.items():
         resource.setrlimit(limit, values)
     return all(resource.getrlimit(limit) == values for limit, values in wanted.items())
@@ -494,15 +499,37 @@ def _user_namespaces_allowed() -> bool:
 
 
 def _enter_landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn:
-    """Who the code runs as here. From Landlock ABI 6, which scopes signals and ptrace to the run, it keeps the
-    caller's uid (with no capabilities, root's 0700 directories such as a pyenv under /root stay reachable);
-    before that, root switches to a per-run uid, dropping the bounding set first, which needs CAP_SETPCAP."""
-    if LANDLOCK.abi() >= 6:
+    """Who the code runs as here. Root becomes a per-run uid, as in the first tier, so nothing that authorises by
+    uid alone (prlimit, scheduling, System V IPC, leases, file modes) treats another root process as its own;
+    unless the interpreter lies under a directory other uids cannot search (a pyenv under a 0700 /root), where it
+    keeps uid 0 with no capabilities and relies on the seccomp filter and Landlock's scoping. A non-root caller
+    keeps its uid: from ABI 6 Landlock scopes its signals and ptrace to the run, and seccomp confines the calls
+    that act on another process to the caller itself."""
+    if config["cgroup"] is not None:  # no init process here: give its place in the pids limit to nobody
+        pids_file, _, limit = config["cgroup"]["pids"]
+        with open(pids_file, "w") as file:  # before any uid switch: a per-run uid may not write it
+            file.write(str(limit - 1))
+    unreachable = _unreachable_by_other_uids([config["python"], *config["binds"]])
+    if config["run_uid"] is not None and unreachable:
         config["run_uid"] = None
-    elif config["run_uid"] is not None:
-        _drop_bounding_set()
-        _become_run_user(config)
+        config["kept_uid_because"] = f"{unreachable} is not searchable by other uids"
+    _become_run_user(config)
     _landlock_tier(config, report, missing)
+
+
+def _unreachable_by_other_uids(paths: list[str]) -> str | None:
+    """The first directory on the way to `paths` that a uid other than its owner cannot search, else None."""
+    for path in paths:
+        parts = path.split("/")
+        for depth in range(2, len(parts) + 1):
+            directory = "/".join(parts[:depth]) or "/"
+            try:
+                mode = os.stat(directory).st_mode
+            except OSError:
+                return directory
+            if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+                return directory
+    return None
 
 
 def _landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn:
@@ -517,13 +544,17 @@ def _landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn
     if not version:
         report.verdict("filesystem", False, "no Landlock on this kernel (5.13+, landlock in the lsm= boot parameter)")
         missing.append("filesystem")
+    kept = f" ({config['kept_uid_because']})" if config.get("kept_uid_because") else ""
     report.verdict("user", bool(run_uid) or scoped,
-                   f"per-run uid {run_uid}" if run_uid else
-                   f"the caller's uid {os.getuid()}" + (", its signals and ptrace scoped to the run by Landlock"
-                                                        if scoped else " with nothing to scope its signals"))
-    report.verdict("network", True, "seccomp denies socket() for every address family"
+                   (f"per-run uid {run_uid}" if run_uid else f"the caller's uid {os.getuid()}{kept}")
+                   + (", its signals and ptrace scoped to the run by Landlock" if scoped else
+                      "" if run_uid else " with nothing to scope its signals")
+                   + "; seccomp lets prlimit, scheduling and I/O priority act on the calling process only")
+    report.verdict("network", True, "seccomp denies socket() for every address family, connect(), and "
+                                    "socketpair() other than a unix stream pair"
                                     + ("; Landlock denies TCP bind and connect" if version >= 4 else ""))
-    report.verdict("ipc", True, "seccomp denies System V IPC lookups and mq_open"
+    report.verdict("ipc", True, "seccomp denies System V IPC lookups and every call that takes an IPC id, and "
+                                "every POSIX message queue call"
                                 + ("; Landlock scopes abstract unix sockets to the run" if scoped else ""))
     report.verdict("pid_namespace", bool(run_uid) or scoped,
                    "no pid namespace: the bootstrap reaps every orphan and kills what is left of the run (its "
@@ -548,19 +579,16 @@ def _landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn
     os.close(config["code_fd"])
     _check(libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
                       ctypes.c_ulong(0)), "prctl(PR_SET_CHILD_SUBREAPER)")
-    if config["cgroup"] is not None:  # no init process here: give its place in the pids limit to nobody
-        pids_file, _, limit = config["cgroup"]["pids"]
-        try:
-            with open(pids_file, "w") as file:
-                file.write(str(limit - 1))
-        except OSError:
-            pass  # a per-run uid may not write it: the run gets one process more than asked
+    if not run_uid:
+        # RLIMIT_NPROC counts every process of the uid, the caller's own threads too: the pids cgroup bounds the run.
+        config["rlimits"]["processes"] = None
     user_pid = os.fork()
     if user_pid == 0:
         _exec_user_code(config, report, workdir, landlock=True)
 
     def end_the_run(_signum: int, _frame: object) -> None:
-        # As the namespaces tier's pid 1 dies: every process of the run first, then the bootstrap, by SIGKILL.
+        # As the namespaces tier's pid 1 dies: every process of the run first (reaped, so no zombie is handed to
+        # the caller's subreaper), then the bootstrap, by SIGKILL.
         _kill_the_rest_of_the_run(config)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -583,25 +611,32 @@ def _is_tmpfs(mount_point: str) -> bool:
 
 
 def _kill_the_rest_of_the_run(config: dict) -> None:
-    """Every process of the run but this one (daemons that left the process group too), until none is left."""
-    if config["cgroup"] is None:  # unsafe mode only: the caller kills our process group
-        return
-    procs_file = config["cgroup"]["procs_files"][0]
-    for _ in range(1000):
-        others = [int(pid) for pid in open(procs_file).read().split() if int(pid) != os.getpid()]
-        if not others:
-            return
-        for pid in others:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        while True:  # reap what we were given as subreaper
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
-            except ChildProcessError:
+    """Every process of the run but this one (daemons that left the process group too), until none is left; then
+    reap until this process has no child at all. A process leaves cgroup.procs when it exits, before it is reaped:
+    what is still unreaped when the bootstrap dies would become a zombie of the caller's nearest subreaper."""
+    if config["cgroup"] is not None:  # else (unsafe mode only) the caller kills our process group
+        procs_file = config["cgroup"]["procs_files"][0]
+        for _ in range(1000):
+            others = [int(pid) for pid in open(procs_file).read().split() if int(pid) != os.getpid()]
+            if not others:
                 break
+            for pid in others:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            _reap(blocking=False)
+    _reap(blocking=config["cgroup"] is not None)
+
+
+def _reap(blocking: bool) -> None:
+    """Reap children (orphans come to us as subreaper); blocking: until there is none left."""
+    while True:
+        try:
+            if os.waitpid(-1, 0 if blocking else os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
 
 
 def _exec_user_code(config: dict, report: Report, workdir: str, landlock: bool = False) -> NoReturn:

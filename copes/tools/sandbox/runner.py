@@ -30,6 +30,7 @@ import struct
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache, cached_property, lru_cache
 from pathlib import Path
@@ -180,7 +181,7 @@ class PythonSandbox:
             if isinstance(cgroup, RunCgroup):
                 cgroup.remove()  # first: it kills whatever of the run could still write to the work dir
             for path in host_workdirs:
-                remove_tree(path)
+                remove_later(path)
         _log_gaps_once(result.isolation)
         return result
 
@@ -523,34 +524,55 @@ def remove_tree(path: str) -> None:
     """Delete a directory tree the code controlled; never raises and never recurses (the code may nest
     directories thousands deep or chmod them to 000), so a failure only leaves files behind, logged."""
     try:
-        _remove_tree_iteratively(path)
+        _remove_tree_in_one_pass(path)
     except OSError as error:
         logger.warning("sandbox: could not remove %s: %s", path, error)
 
 
-def _remove_tree_iteratively(path: str) -> None:
-    # One open directory at a time, walked by file descriptor, so neither depth nor path length matters.
-    names: list[str] = []  # the directories we descended through, below `path`
+def _remove_tree_in_one_pass(path: str) -> None:
+    # One open directory at a time, walked by file descriptor, so neither depth nor path length matters; each
+    # directory is listed once (files unlinked as the listing streams by), so removal is linear in its entries.
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    above: list[tuple[str, list[str]]] = []  # (directory we descended into, its parent's subdirectories left)
     try:
-        while True:
-            with os.scandir(fd) as entries:
-                entry = next(entries, None)
-            if entry is None:
-                if not names:
-                    break
+        pending = _unlink_files(fd)
+        while pending or above:
+            if pending:
+                name = pending.pop()
+                os.chmod(name, 0o700, dir_fd=fd)  # a directory: the listing said so, and the run is gone
+                child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = child
+                above.append((name, pending))
+                pending = _unlink_files(fd)
+            else:
+                name, pending = above.pop()
                 parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
                 os.close(fd)
                 fd = parent
-                os.rmdir(names.pop(), dir_fd=fd)
-            elif entry.is_dir(follow_symlinks=False):
-                os.chmod(entry.name, 0o700, dir_fd=fd)
-                child = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                os.close(fd)
-                fd = child
-                names.append(entry.name)
-            else:
-                os.unlink(entry.name, dir_fd=fd)
+                os.rmdir(name, dir_fd=fd)
     finally:
         os.close(fd)
     os.rmdir(path)
+
+
+def _unlink_files(directory_fd: int) -> list[str]:
+    """Unlink every entry of the directory but its subdirectories, which it returns."""
+    subdirectories = []
+    with os.scandir(directory_fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                subdirectories.append(entry.name)
+            else:
+                os.unlink(entry.name, dir_fd=directory_fd)
+    return subdirectories
+
+
+# Work dirs are removed here, one at a time, so a run that filled its work dir with millions of entries costs the
+# caller nothing; the executor's thread finishes what is queued before the interpreter exits.
+_remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="copes-sandbox-cleanup")
+
+
+def remove_later(path: str) -> Future:
+    """Queue `remove_tree(path)` off the caller's critical path; the future says when it is done."""
+    return _remover.submit(remove_tree, path)

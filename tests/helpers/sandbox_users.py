@@ -1,0 +1,40 @@
+"""Running a sandbox caller as a non-root user, as systemd would start one: a uid of its own, with the memory,
+pids and cpuacct cgroups delegated to it (the sandbox needs a whole-run cgroup it can write)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+SETPRIV = shutil.which("setpriv")
+# A system interpreter other uids can reach (the trainer's own may live under a 0700 /root).
+SYSTEM_PYTHON = next((path for path in ("/usr/bin/python3", "/usr/bin/python3.11") if os.path.exists(path)), None)
+NON_ROOT_UID = 4242
+
+
+@contextlib.contextmanager
+def delegated_cgroups(uid: int = NON_ROOT_UID) -> Iterator[list[str]]:
+    """Fresh v1 memory, pids and cpuacct cgroups under ours, owned by `uid`; yields the prefix of a command that
+    enters them and then runs the rest of its arguments as `uid`. Removed afterwards, nested ones first."""
+    delegated = []
+    try:
+        for controller in ("memory", "pids", "cpuacct"):
+            mine = open("/proc/self/cgroup").read().split(f":{controller}:")[1].split("\n")[0]
+            directory = Path(f"/sys/fs/cgroup/{controller}{mine}") / f"copes-test-user-{uuid.uuid4().hex[:8]}"
+            directory.mkdir()
+            delegated.append(directory)
+            for entry in [directory, *directory.iterdir()]:
+                os.chown(entry, uid, uid)
+        join = " ".join(f"echo $$ > {directory}/cgroup.procs;" for directory in delegated)
+        yield ["sh", "-c", f'{join} exec "$@"', "sh", SETPRIV, "--reuid", str(uid), "--regid", str(uid),
+               "--clear-groups"]
+    finally:
+        for directory in delegated:
+            for nested in sorted(directory.rglob("*"), reverse=True):
+                if nested.is_dir():
+                    nested.rmdir()
+            directory.rmdir()
