@@ -19,7 +19,7 @@ earns on average): they are for reports.
 Training (`qa_reward`): "em" by default. "f1" as a reward is length-gated: a prediction with more tokens than the
 gold earns 0 against it, so listing candidates earns nothing against any gold among them (the list is longer
 than each), while a committed partial answer ("Obama" for "Barack Obama") keeps its F1. "acc" is the reporting
-metric and pays hedges; it is a reward only when asked for by name.
+metric and pays hedges, so it is refused as a reward (`ACC_IS_NOT_A_REWARD`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,14 @@ import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from copes.errors import ConfigError
+
 NORMALIZATIONS = ("official", "paper")
 QA_METRICS = ("em", "f1", "acc")
+QA_REWARDS = ("em", "f1")
 DEFAULT_QA_REWARD = "em"
+ACC_IS_NOT_A_REWARD = ("qa_metric 'acc' is a reporting metric that pays an answer listing the candidates, so it "
+                       "cannot be a training reward: use 'em' (the default) or 'f1' (length-gated token F1)")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 _BINARY_ANSWERS = frozenset({"yes", "no", "noanswer"})
@@ -102,13 +107,20 @@ def qa_scores(prediction: str, golds: Sequence[str], normalization: str = "offic
     }
 
 
+def check_qa_reward(metric: str) -> None:
+    """Raise ConfigError (one line naming the alternatives) unless `metric` may be a training reward."""
+    if metric == "acc":
+        raise ConfigError(ACC_IS_NOT_A_REWARD)
+    if metric not in QA_REWARDS:
+        raise ConfigError(f"qa_metric must be one of {', '.join(QA_REWARDS)}, got {metric!r}")
+
+
 def qa_reward(
     prediction: str, golds: Sequence[str], metric: str = DEFAULT_QA_REWARD, normalization: str = "official"
 ) -> float:
-    """The training reward of `prediction` under `metric`: EM, length-gated F1 or accuracy, maxed over `golds`."""
-    if metric not in QA_METRICS:
-        raise ValueError(f"metric must be one of {QA_METRICS}, got {metric!r}")
-    if metric != "f1":
+    """The training reward of `prediction` under `metric`: EM or length-gated F1, maxed over `golds`."""
+    check_qa_reward(metric)
+    if metric == "em":
         return qa_scores(prediction, golds, normalization)[metric]
     normalized_prediction, normalized_golds = _normalized(prediction, golds, normalization)
     return max(_token_f1(normalized_prediction, gold, length_gated=True) for gold in normalized_golds)

@@ -1,9 +1,9 @@
 """Multi-hop QA tasks: HotpotQA (distractor), 2WikiMultihopQA and MuSiQue.
 
 Reward = QA reward of the extracted answer against every accepted gold (`copes.rewards.qa_reward`: "em" by
-default, length-gated "f1", or "acc" when asked for) + format term (0 / -1 for a missing `<answer>` span) + tool
-bonus (+0.1 when correct with a tool call). `correct` means full credit under the chosen metric; `metrics` gives
-the standard reporting EM / F1 / accuracy.
+default, or length-gated "f1"; "acc" is refused: it pays hedges) + format term (0 / -1 for a missing
+`<answer>` span) + tool bonus (+0.1 when correct with a tool call). `correct` means full credit under the chosen
+metric; `metrics` gives the standard reporting EM / F1 / accuracy.
 
 Each example keeps its dataset's paragraphs in one layout, `meta["paragraphs"] = [(title, [sentence, ...])]`,
 and supporting facts as `meta["supporting_facts"] = [(title, sentence_index)]`, whichever layout the file used
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from copes.rewards import extract_answer, qa_reward, qa_scores
-from copes.rewards.qa import DEFAULT_QA_REWARD, NORMALIZATIONS, QA_METRICS
+from copes.rewards.qa import DEFAULT_QA_REWARD, NORMALIZATIONS, check_qa_reward
 from copes.tasks.base import Example, Score, register
 from copes.tasks.dataset import DatasetTask
 from copes.tasks.loading import DatasetError, HubSplit, load_split_rows, resolve_data_dir
@@ -47,8 +47,7 @@ class QATask(DatasetTask):
         **reward_terms: bool,
     ) -> None:
         """`reward_terms`: DatasetTask's format_reward and tool_bonus switches."""
-        if qa_metric not in QA_METRICS:
-            raise ValueError(f"qa_metric must be one of {QA_METRICS}, got {qa_metric!r}")
+        check_qa_reward(qa_metric)
         if qa_normalization not in NORMALIZATIONS:
             raise ValueError(f"qa_normalization must be one of {NORMALIZATIONS}, got {qa_normalization!r}")
         super().__init__(name, splits, **reward_terms)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from copes.errors import ConfigError
 from copes.rewards import countdown_correct, format_reward, math_correct, qa_reward, qa_scores
 from copes.tasks import get_task
 from copes.tasks.base import Example
@@ -173,15 +174,17 @@ def test_yes_and_no_together_are_wrong_on_every_yes_no_question(
     assert len(binary) == 19
     for example in binary:
         assert qa_scores(hedge, example.golds, normalization) == {"em": 0.0, "f1": 0.0, "acc": 0.0}
-        assert all(qa_reward(hedge, example.golds, metric, normalization) == 0.0 for metric in ("em", "f1", "acc"))
+        assert all(qa_reward(hedge, example.golds, metric, normalization) == 0.0 for metric in ("em", "f1"))
         assert qa_scores(example.golds[0].lower(), example.golds, normalization)["acc"] == 1.0
 
 
-def test_accuracy_still_pays_a_list_of_candidates_so_it_is_for_reports() -> None:
-    # Documented, not a bug: substring accuracy is a reporting metric; training uses it only when asked for.
+def test_accuracy_pays_a_list_of_candidates_so_it_is_refused_as_a_reward() -> None:
+    """Guards #40: substring accuracy is a reporting metric; asked for as a training reward, it is refused."""
     assert qa_scores("Paris or London", ["London"])["acc"] == 1.0
-    task = get_task("hotpotqa", qa_metric="acc", format_reward=False, tool_bonus=False)
-    assert task.score("<answer>Paris or London</answer>", Example(id="h", question="q", golds=("London",))).correct
+    with pytest.raises(ConfigError, match="'em' \\(the default\\) or 'f1'"):
+        get_task("hotpotqa", qa_metric="acc", format_reward=False, tool_bonus=False)
+    with pytest.raises(ConfigError, match="cannot be a training reward"):
+        qa_reward("Paris or London", ["London"], "acc")
 
 
 def test_qa_answer_spans_pay_only_the_last() -> None:

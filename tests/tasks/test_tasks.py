@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from copes.errors import ConfigError
 from copes.tasks import Example, get_task
 from copes.tasks.loading import DatasetError, default_data_dir, read_rows
 from copes.tasks.math_tasks import MATH_INSTRUCTION
@@ -273,7 +274,6 @@ QA_EXAMPLE = Example(id="h", question="q", golds=("Barack Obama", "Obama"))
         ({}, "<answer>obama</answer>", 1.0, True),  # an alias
         ({}, "Barack Obama", 0.0, True),  # correct, but no answer span: -1
         ({"qa_metric": "em"}, "<answer>Barack Obama Jr</answer>", 0.0, False),
-        ({"qa_metric": "acc"}, "<answer>Barack Obama Jr</answer>", 1.0, True),
         ({"format_reward": False}, "Barack Obama", 1.0, True),
         # "obama." != "obama" under the "paper" normalisation
         ({"qa_normalization": "paper", "qa_metric": "f1"}, "<answer>Barack Obama.</answer>", 0.5, False),
@@ -290,6 +290,9 @@ def test_qa_tool_bonus_and_bad_options() -> None:
     assert task.score("<answer>Obama</answer>", QA_EXAMPLE, used_tool=True).reward == pytest.approx(1.1)
     with pytest.raises(ValueError, match="qa_metric"):
         get_task("hotpotqa", qa_metric="bleu")
+    # Guards #40: substring accuracy pays "Barack Obama Jr" and any list of candidates; it is refused in one line.
+    with pytest.raises(ConfigError, match=r"^qa_metric 'acc' .* use 'em' \(the default\) or 'f1'"):
+        get_task("hotpotqa", qa_metric="acc")
     with pytest.raises(ValueError, match="qa_normalization"):
         get_task("hotpotqa", qa_normalization="squad")
 
