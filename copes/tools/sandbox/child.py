@@ -34,21 +34,70 @@ import stat
 import sys
 import tempfile
 import traceback
-from typing import NoReturn
+from typing import NamedTuple, NoReturn, TypedDict
 
-# <sched.h>; Python 3.11 has no os.unshare.
+
+class Namespace(NamedTuple):
+    flag: int  # CLONE_NEW* of <sched.h>; Python 3.11 has no os.unshare
+    proc_entry: str  # its /proc/self/ns entry, to check from inside that it is not the caller's
+    protection: str  # the protection it provides (reported as missing when it cannot be had)
+
+
+# One table of protections: each verified by the child and reported as "yes: ..." or "no: ..." (the caller adds
+# cpu_budget); strict mode needs all of them. The namespaces tier gets these from its namespaces.
+PROTECTIONS = ("user", "network", "filesystem", "pid_namespace", "ipc", "keyring", "capabilities", "memory",
+               "process_limit", "disk", "rlimits", "nested_namespaces", "seccomp", "oom", "cpu_budget",
+               "bootstrap_hidden")
 NAMESPACES = {
-    "user": 0x10000000,
-    "network": 0x40000000,
-    "mount": 0x00020000,
-    "ipc": 0x08000000,
-    "pid": 0x20000000,
-    "cgroup": 0x02000000,
+    "user": Namespace(0x10000000, "user", "user"),
+    "network": Namespace(0x40000000, "net", "network"),
+    "mount": Namespace(0x00020000, "mnt", "filesystem"),
+    "ipc": Namespace(0x08000000, "ipc", "ipc"),
+    "pid": Namespace(0x20000000, "pid", "pid_namespace"),
+    "cgroup": Namespace(0x02000000, "cgroup", "bootstrap_hidden"),
 }
-PROTECTION_OF = {"user": "user", "network": "network", "mount": "filesystem", "ipc": "ipc", "pid": "pid_namespace",
-                 "cgroup": "bootstrap_hidden"}
-# /proc/self/ns entry of each namespace, to check from inside that it is not the caller's.
-NAMESPACE_FILES = {"user": "user", "network": "net", "mount": "mnt", "ipc": "ipc", "pid": "pid", "cgroup": "cgroup"}
+
+
+class CgroupConfig(TypedDict):
+    procs_files: list[str]  # what the run's first process writes its pid to
+    memory: tuple[str, str, int]  # (limit file, path the child must see in /proc/self/cgroup, expected value)
+    pids: tuple[str, str, int]
+
+
+class RlimitConfig(TypedDict):
+    cpu_seconds: int
+    memory_bytes: int
+    processes: int | None  # None: leave RLIMIT_NPROC as inherited (it would count the caller's own processes)
+    open_files: int
+    file_bytes: int
+
+
+class ChildConfig(TypedDict):
+    """What `PythonSandbox.run` hands the bootstrap (as JSON through a memfd)."""
+
+    unsafe: bool
+    tier: str  # runner.TIERS
+    python: str
+    run_uid: int | None  # root: the run's own uid; None: keep the caller's
+    report_fd: int
+    code_fd: int
+    code_bytes: int
+    helpers: dict[str, str]  # standard-library helper modules by path: seccomp, landlock
+    cgroup: CgroupConfig | None
+    cgroup_unavailable: str | None  # why there is no cgroup, when cgroup is None
+    caller_namespaces: dict[str, str]
+    caller_keyring: int | None
+    disk_bytes: int
+    max_files: int
+    rlimits: RlimitConfig
+    environment: dict[str, str]
+    binds: list[str]  # the new root's read-only binds (real paths), see runner._root_layout
+    symlinks: dict[str, str]
+    top_level: list[str]
+    staging: str
+    kept_uid_because: str | None  # the Landlock tier, where root keeps uid 0: why
+
+
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
@@ -113,7 +162,7 @@ def session_keyring_id() -> int | None:
 
 def namespace_ids() -> dict[str, str]:
     """`user:[4026531837]`-style identities of our namespaces (also used by the caller)."""
-    return {name: os.readlink(f"/proc/self/ns/{entry}") for name, entry in NAMESPACE_FILES.items()}
+    return {name: os.readlink(f"/proc/self/ns/{namespace.proc_entry}") for name, namespace in NAMESPACES.items()}
 
 
 class Report:
@@ -139,7 +188,7 @@ class Report:
 # ---------------------------------------------------------------- bootstrap: cgroups, identity, namespaces
 
 
-def _join_cgroups(config: dict, report: Report) -> list[str]:
+def _join_cgroups(config: ChildConfig, report: Report) -> list[str]:
     """Enter the run's cgroups before anything forks, so every process of the run is counted; check the limits
     from here (membership in /proc/self/cgroup, the limit files read back)."""
     cgroup = config["cgroup"]
@@ -168,7 +217,7 @@ def _join_cgroups(config: dict, report: Report) -> list[str]:
         return ["memory", "process_limit"]
 
 
-def _become_run_user(config: dict) -> None:
+def _become_run_user(config: ChildConfig) -> None:
     """Root: a uid and gid of this run's own, so nothing else on the machine shares them (keyring quotas, signals)."""
     run_id = config["run_uid"]
     if run_id is None:
@@ -181,12 +230,12 @@ def _become_run_user(config: dict) -> None:
            "prctl(PR_SET_DUMPABLE)")
 
 
-def _enter_namespaces(config: dict, report: Report) -> list[str]:
+def _enter_namespaces(config: ChildConfig, report: Report) -> list[str]:
     outside_uid, outside_gid = os.geteuid(), os.getegid()
     missing = []
-    for name, flag in NAMESPACES.items():
+    for name, namespace in NAMESPACES.items():
         try:
-            _check(libc.unshare(ctypes.c_int(flag)), f"unshare({name})")
+            _check(libc.unshare(ctypes.c_int(namespace.flag)), f"unshare({name})")
             if name == "user":
                 for path, text in (("setgroups", "deny"), ("uid_map", f"{INSIDE_ID} {outside_uid} 1"),
                                    ("gid_map", f"{INSIDE_ID} {outside_gid} 1")):
@@ -196,15 +245,15 @@ def _enter_namespaces(config: dict, report: Report) -> list[str]:
             missing.append(name)
             if name == "user":  # without it the other namespaces need privileges we gave up
                 report.verdict("user", False, f"{error}; the code would run as uid {outside_uid}")
-                for other in NAMESPACES:
+                for other, namespace in NAMESPACES.items():
                     if other != "user":
-                        report.verdict(PROTECTION_OF[other], False, "needs the user namespace")
+                        report.verdict(namespace.protection, False, "needs the user namespace")
                 return list(NAMESPACES)
-            report.verdict(PROTECTION_OF[name], False, str(error))
+            report.verdict(namespace.protection, False, str(error))
     return missing
 
 
-def _check_namespaces(config: dict, report: Report, not_entered: list[str]) -> list[str]:
+def _check_namespaces(config: ChildConfig, report: Report, not_entered: list[str]) -> list[str]:
     """Check from inside that each namespace we entered really is a fresh one; returns those that are not."""
     caller, ours = config["caller_namespaces"], namespace_ids()
     failed = []
@@ -231,7 +280,7 @@ def _check_namespaces(config: dict, report: Report, not_entered: list[str]) -> l
 # ---------------------------------------------------------------- init: keyring, filesystem
 
 
-def _fresh_keyring(config: dict, report: Report) -> list[str]:
+def _fresh_keyring(config: ChildConfig, report: Report) -> list[str]:
     try:
         _syscall("keyctl", ctypes.c_int(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None))
         ours = session_keyring_id()
@@ -263,7 +312,7 @@ def _bind_read_only(source: str, target: str) -> None:
     _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | locked)
 
 
-def _build_root(config: dict) -> None:
+def _build_root(config: ChildConfig) -> None:
     """In a mount namespace of our own: assemble the new root on the staging directory (one that holds nothing
     the root binds, so covering it hides no source), pivot into it, make it read-only.
 
@@ -285,7 +334,7 @@ def _build_root(config: dict) -> None:
     _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def _assemble_root(config: dict, root: str) -> None:
+def _assemble_root(config: ChildConfig, root: str) -> None:
     for link, target in config["symlinks"].items():
         os.makedirs(os.path.dirname(root + link), mode=0o755, exist_ok=True)
         os.symlink(target, root + link)
@@ -303,7 +352,7 @@ def _assemble_root(config: dict, root: str) -> None:
     os.makedirs(root + "/tmp", 0o755, exist_ok=True)
 
 
-def _finish_root(config: dict) -> str:
+def _finish_root(config: ChildConfig) -> str:
     """In the run's pid and user namespaces: a /proc showing only the run, and the size-limited work dir."""
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     _mount("tmpfs", WORKDIR, "tmpfs", MS_NOSUID | MS_NODEV,
@@ -311,7 +360,7 @@ def _finish_root(config: dict) -> str:
     return WORKDIR
 
 
-def _check_filesystem(config: dict, report: Report) -> bool:
+def _check_filesystem(config: ChildConfig, report: Report) -> bool:
     """Every mount read-only except the work dir (and /proc, which holds only this run's processes)."""
     writable, seen = [], []
     for line in open("/proc/self/mountinfo").read().splitlines():
@@ -370,7 +419,7 @@ def _drop_bounding_set() -> None:
         libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
-def _set_rlimits(limits: dict[str, int]) -> bool:
+def _set_rlimits(limits: RlimitConfig) -> bool:
     """Set every per-process limit and read them back; True when all hold."""
     wanted = {
         resource.RLIMIT_CPU: (limits["cpu_seconds"], limits["cpu_seconds"] + 1),
@@ -400,7 +449,7 @@ def _install_seccomp(report: Report, without_namespaces: bool) -> bool:
                           f"{', '.join(open_calls)}")
 
 
-def _confine_and_check(config: dict, report: Report, without_namespaces: bool) -> list[str]:
+def _confine_and_check(config: ChildConfig, report: Report, without_namespaces: bool) -> list[str]:
     """The seccomp filter, then the checks only the code's own process can make; returns what failed."""
     seccomp_ok = _install_seccomp(report, without_namespaces)
     oom = open("/proc/self/oom_score_adj").read().strip()
@@ -452,7 +501,7 @@ def _bootstrap_visible() -> str | None:
     return f"/proc/self/cgroup shows the run's cgroup paths: {shown[0]}" if shown else None
 
 
-def _confine_with_landlock(config: dict, report: Report, workdir: str) -> list[str]:
+def _confine_with_landlock(config: ChildConfig, report: Report, workdir: str) -> list[str]:
     """The Landlock tier's filesystem, network and scoping, then checks of each from inside."""
     version = LANDLOCK.abi()
     devices = [f"/dev/{device}" for device in DEVICES]
@@ -494,11 +543,11 @@ def _user_namespaces_allowed() -> bool:
     a sysctl may forbid it)."""
     pid = os.fork()
     if pid == 0:
-        os._exit(0 if libc.unshare(ctypes.c_int(NAMESPACES["user"])) == 0 else 1)
+        os._exit(0 if libc.unshare(ctypes.c_int(NAMESPACES["user"].flag)) == 0 else 1)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
-def _enter_landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn:
+def _enter_landlock_tier(config: ChildConfig, report: Report, missing: list[str]) -> NoReturn:
     """Who the code runs as here. Root becomes a per-run uid, as in the first tier, so nothing that authorises by
     uid alone (prlimit, scheduling, System V IPC, leases, file modes) treats another root process as its own;
     unless the interpreter lies under a directory other uids cannot search (a pyenv under a 0700 /root), where it
@@ -532,19 +581,19 @@ def _unreachable_by_other_uids(paths: list[str]) -> str | None:
     return None
 
 
-def _landlock_tier(config: dict, report: Report, missing: list[str]) -> NoReturn:
+def _landlock_tier(config: ChildConfig, report: Report, missing: list[str]) -> NoReturn:
     """No user namespace to be had: the bootstrap itself runs the code, confined by Landlock, the seccomp filter
     (which then also denies sockets and IPC lookups) and rlimits; it reaps every orphan, and when the code ends
     kills whatever of the run is left (its cgroup says which processes those are)."""
     version = LANDLOCK.abi()
     run_uid = config["run_uid"]
     scoped = version >= 6
-    for protection in PROTECTION_OF.values():
-        report.isolation.pop(protection, None)
+    for namespace in NAMESPACES.values():
+        report.isolation.pop(namespace.protection, None)
     if not version:
         report.verdict("filesystem", False, "no Landlock on this kernel (5.13+, landlock in the lsm= boot parameter)")
         missing.append("filesystem")
-    kept = f" ({config['kept_uid_because']})" if config.get("kept_uid_because") else ""
+    kept = f" ({config['kept_uid_because']})" if config["kept_uid_because"] else ""
     report.verdict("user", bool(run_uid) or scoped,
                    (f"per-run uid {run_uid}" if run_uid else f"the caller's uid {os.getuid()}{kept}")
                    + (", its signals and ptrace scoped to the run by Landlock" if scoped else
@@ -610,7 +659,7 @@ def _is_tmpfs(mount_point: str) -> bool:
     return False
 
 
-def _kill_the_rest_of_the_run(config: dict) -> None:
+def _kill_the_rest_of_the_run(config: ChildConfig) -> None:
     """Every process of the run but this one (daemons that left the process group too), until none is left; then
     reap until this process has no child at all. A process leaves cgroup.procs when it exits, before it is reaped:
     what is still unreaped when the bootstrap dies would become a zombie of the caller's nearest subreaper."""
@@ -639,7 +688,7 @@ def _reap(blocking: bool) -> None:
             return
 
 
-def _exec_user_code(config: dict, report: Report, workdir: str, landlock: bool = False) -> NoReturn:
+def _exec_user_code(config: ChildConfig, report: Report, workdir: str, landlock: bool = False) -> NoReturn:
     limits = config["rlimits"]
     try:
         rlimits_ok = _set_rlimits(limits)
@@ -672,7 +721,7 @@ def _exec_user_code(config: dict, report: Report, workdir: str, landlock: bool =
     os._exit(EXIT_EXEC_FAILED)
 
 
-def _run_init(config: dict, report: Report, root_built: bool, root_error: str | None, private: bool,
+def _run_init(config: ChildConfig, report: Report, root_built: bool, root_error: str | None, private: bool,
               own_user_namespace: bool, private_pids: bool) -> NoReturn:
     """pid 1 of the run: keyring, filesystem, no nested user namespaces, start the user child, reap every orphan
     until it exits."""
@@ -727,14 +776,14 @@ def _run_init(config: dict, report: Report, root_built: bool, root_error: str | 
     os._exit(0)
 
 
-def _build_root_as_root(config: dict) -> tuple[bool, str | None]:
+def _build_root_as_root(config: ChildConfig) -> tuple[bool, str | None]:
     """Root with CAP_SYS_ADMIN builds the new root right away (see `_build_root`); otherwise (not root, or a
     container that withholds CAP_SYS_ADMIN) init builds it inside the user namespace. Returns (built, why not):
     a mount namespace we may not make means "let init try"; a root that fails to build is the real cause."""
     if config["run_uid"] is None:
         return False, None
     try:
-        _check(libc.unshare(ctypes.c_int(NAMESPACES["mount"])), "unshare(mount)")
+        _check(libc.unshare(ctypes.c_int(NAMESPACES["mount"].flag)), "unshare(mount)")
     except OSError:
         return False, None
     try:
@@ -744,7 +793,7 @@ def _build_root_as_root(config: dict) -> tuple[bool, str | None]:
     return True, None
 
 
-def _load_helpers(config: dict) -> dict:
+def _load_helpers(config: ChildConfig) -> dict:
     """The standard-library modules named in the configuration, loaded by path (see the module docstring)."""
     helpers = {}
     for name, path in config["helpers"].items():
@@ -754,7 +803,7 @@ def _load_helpers(config: dict) -> dict:
     return helpers
 
 
-def main(config: dict) -> NoReturn:
+def main(config: ChildConfig) -> NoReturn:
     global SECCOMP, LANDLOCK
     report = Report(config["report_fd"], strict=not config["unsafe"])
     helpers = _load_helpers(config)
@@ -795,7 +844,7 @@ def main(config: dict) -> NoReturn:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def _read_config() -> dict:
+def _read_config() -> ChildConfig:
     """The configuration from the fd in argv[1]; that fd and the one the script came from are closed."""
     config_fd = int(sys.argv[1])
     chunks = []

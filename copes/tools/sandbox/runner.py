@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache, cached_property, lru_cache
 from pathlib import Path
+from typing import TypedDict
 
 from copes.errors import ConfigError
 from copes.tools.sandbox import child as sandbox_child
@@ -45,10 +46,7 @@ logger = logging.getLogger(__name__)
 CHILD_SCRIPT = sandbox_child.__file__
 # Standard-library modules the bootstrap loads by path (it runs from a memfd, so it has no package to import from).
 CHILD_HELPERS = {"seccomp": seccomp.__file__, "landlock": landlock.__file__}
-# Every protection the child verifies (and the caller's CPU budget); strict mode needs all of them.
-PROTECTIONS = ("user", "network", "filesystem", "pid_namespace", "ipc", "keyring", "capabilities", "memory",
-               "process_limit", "disk", "rlimits", "nested_namespaces", "seccomp", "oom", "cpu_budget",
-               "bootstrap_hidden")
+PROTECTIONS = sandbox_child.PROTECTIONS
 # Per-run uids come from a range no distribution allocates, so a collision with a real account is implausible.
 # "auto": namespaces where user namespaces can be had, else Landlock; "landlock": Landlock even where they can.
 TIERS = ("auto", "landlock")
@@ -73,6 +71,15 @@ _HOW_TO_ALLOW = (
     "(config unsafe_sandbox: true) to run model-written code without these protections"
 )
 _gaps_already_logged: set[tuple[str, ...]] = set()
+
+
+class RootLayout(TypedDict):
+    """The part of the child's configuration that describes its new root (see `_root_layout`)."""
+
+    binds: list[str]
+    symlinks: dict[str, str]
+    top_level: list[str]
+    staging: str
 
 
 class SandboxUnavailable(ConfigError):
@@ -159,7 +166,7 @@ class PythonSandbox:
         self.tier = tier
 
     @cached_property
-    def _layout(self) -> dict:
+    def _layout(self) -> RootLayout:
         return _root_layout(self.python)
 
     def check(self) -> SandboxResult:
@@ -190,17 +197,18 @@ class PythonSandbox:
         # surrogatepass keeps odd model output byte-faithful; the interpreter then reports it as a SyntaxError.
         code_bytes = code.encode("utf-8", errors="surrogatepass")
         code_fd = _memfd("copes-sandbox-code", code_bytes)
-        config = {
+        config: sandbox_child.ChildConfig = {
             "unsafe": self.unsafe,
             "tier": self.tier,
             "python": self.python,
             "run_uid": _pick_sandbox_uid(),
+            "kept_uid_because": None,
             "report_fd": report_write,
             "code_fd": code_fd,
             "code_bytes": len(code_bytes),
             "helpers": CHILD_HELPERS,
-            "cgroup": None if isinstance(cgroup, str) else {
-                "procs_files": cgroup.procs_files, "memory": cgroup.memory, "pids": cgroup.pids},
+            "cgroup": None if isinstance(cgroup, str) else sandbox_child.CgroupConfig(
+                procs_files=cgroup.procs_files, memory=cgroup.memory, pids=cgroup.pids),
             "cgroup_unavailable": cgroup if isinstance(cgroup, str) else None,
             "caller_namespaces": sandbox_child.namespace_ids(),
             "caller_keyring": sandbox_child.session_keyring_id(),
@@ -322,7 +330,7 @@ class PythonSandbox:
         stdout, stderr = buffers.values()
         return bytes(stdout), bytes(stderr), timed_out, truncated, cpu_exceeded
 
-    def _rlimits(self) -> dict[str, int]:
+    def _rlimits(self) -> sandbox_child.RlimitConfig:
         return {
             "cpu_seconds": self.cpu_seconds,
             "memory_bytes": self.memory_bytes,
@@ -434,7 +442,7 @@ def _resolve(path: str, links: dict[str, str]) -> str:
     raise SandboxUnavailable(f"too many levels of symbolic links in {path}")
 
 
-def _root_layout(python: str) -> dict:
+def _root_layout(python: str) -> RootLayout:
     """What the child's fresh root holds: read-only binds (real paths) of what the interpreter needs and of the
     system libraries, the symlinks met on the way to them (a venv's bin/python, /lib64 -> usr/lib64, a linked
     venv directory), the host's top-level links into them (/lib -> usr/lib); nothing else."""
@@ -449,7 +457,7 @@ def _root_layout(python: str) -> dict:
     symlinks = {link: target for link, target in sorted(links.items()) if not inside(link) and link not in binds}
     top_level = {path.split("/")[1] for path in [*binds, *symlinks]} | {"dev", "proc", "tmp",
                                                                          sandbox_child.WORKDIR.split("/")[1]}
-    return {"binds": binds, "symlinks": symlinks, "top_level": sorted(top_level), "staging": _staging(binds)}
+    return RootLayout(binds=binds, symlinks=symlinks, top_level=sorted(top_level), staging=_staging(binds))
 
 
 def _staging(binds: list[str]) -> str:
