@@ -223,3 +223,24 @@ def test_the_landlock_tier_can_be_asked_for_and_keeps_the_process_limit() -> Non
     assert not result.timed_out, "the sleeping children die with the run"
     with pytest.raises(ValueError, match="tier"):
         PythonSandbox(tier="chroot")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or SYSTEM_PYTHON is None, reason="needs root and a system Python")
+def test_root_gets_a_per_run_uid_in_the_landlock_tier_where_the_interpreter_allows() -> None:
+    """Guards #40: the Landlock tier kept root's uid 0, so everything the kernel authorises by uid alone (prlimit,
+    scheduling, System V IPC, leases) treated every root process as the run's own. An interpreter other uids can
+    reach now runs as a per-run uid; one under a 0700 directory keeps uid 0, and the report says why."""
+    from copes.tools.sandbox import landlock
+
+    if landlock.abi() < 6:
+        pytest.skip("this kernel's Landlock cannot scope signals (ABI 6+)")
+    code = "import os\nprint(os.getuid(), os.getgid(), os.getgroups())\n"
+    result = PythonSandbox(tier="landlock", python=SYSTEM_PYTHON).run(code)
+    uid, gid, groups = result.stdout.split(" ", 2)
+    assert result.tier == "landlock" and int(uid) >= 1_000_000_000 and gid == uid and groups.strip() == "[]"
+    assert result.isolation["user"].startswith(f"yes: per-run uid {uid}, its signals and ptrace"), result.isolation
+    hidden = next((parent for parent in Path(sys.executable).parents
+                   if parent != Path("/") and not parent.stat().st_mode & 0o001), None)
+    if hidden is not None:
+        kept = PythonSandbox(tier="landlock").run(code)
+        assert kept.stdout.startswith("0 ") and f"({hidden} is not searchable by other uids)" in kept.isolation["user"]
