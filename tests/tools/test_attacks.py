@@ -747,7 +747,6 @@ def test_run_cgroups_are_removed_recursively_and_a_dead_trainers_leftovers_at_th
 def test_the_cpu_budget_holds_without_a_cgroup_cpu_counter(monkeypatch) -> None:
     """A cgroup without cpu or cpuacct (a v1 machine without cpuacct): the run's processes are accounted from
     /proc instead, and the budget still ends the run."""
-    from copes.tools import sandbox as sandbox_module
     from copes.tools.sandbox.cgroups import RunCgroup
 
     create = RunCgroup.create
@@ -758,7 +757,7 @@ def test_the_cpu_budget_holds_without_a_cgroup_cpu_counter(monkeypatch) -> None:
             made.cpu_usage_file = None
         return made
 
-    monkeypatch.setattr(sandbox_module.RunCgroup, "create", staticmethod(without_cpu_counter))
+    monkeypatch.setattr(RunCgroup, "create", staticmethod(without_cpu_counter))
     code = (
         "import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        break\n"
         "while time.process_time() < 0.9:\n    pass\nprint('finished')\n"
