@@ -16,10 +16,18 @@ process a notice (its code is not hashed into the journal, so a resume cannot ch
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
+import os
+import pickle
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +36,7 @@ import torch
 from copes.errors import ConfigError
 from copes.rewards.functions import callable_label
 from copes.run.components import GivenParts
+from copes.run.distributed import WORKERS_ENV, launched_distributed
 from copes.run.es_config import ESConfig
 from copes.run.trainer import Trainer
 from copes.run.trl_task import (
@@ -79,6 +88,8 @@ class _HookedTrainer(Trainer):
         return stats
 
     def after_step(self, step: int, metrics: dict[str, Any]) -> bool:
+        if not self.is_main:
+            self.task.drain_step_log()  # only rank 0 logs
         stop = self.es.step_done(step, metrics) if self.is_main else False
         return bool(self.share(stop, step))  # rank 0's callbacks decide for every rank
 
@@ -140,6 +151,7 @@ class ESTrainer:
 
         self.processing_class = processing_class
         self.callbacks = list(callbacks or [])
+        self.datasets = (train_dataset, eval_dataset)
         self.model_spec = self._model_spec(model)
         self.rewards = TRLRewards(functions, [function_name(f) for f in functions], weights)
         self.task = DatasetTask(dataset_rows(train_dataset, "train_dataset"), self._eval_rows(eval_dataset),
@@ -151,7 +163,7 @@ class ESTrainer:
         self.cfg = self.args.train_config(**self._trainer_set())
         self.state, self.control = self._fresh_state()
         self.trainer: _HookedTrainer | None = None
-        if self.cfg.workers == 1:
+        if self.cfg.workers == 1 or launched_distributed():  # workers > 1: train() starts the ranks, then builds
             self.trainer = self._build_trainer()
         self.control = self._event("on_init_end")
 
@@ -281,15 +293,25 @@ class ESTrainer:
         return metrics
 
     def _saved(self, step: int) -> None:
+        if not self._require_trainer().is_main:
+            return
         self.state.save_to_json(str(Path(self.cfg.output_dir) / "trainer_state.json"))
         self.control = self._event("on_save")
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **_: Any) -> Any:
         """Train for max_steps (or until a callback stops it). `resume_from_checkpoint`: a run dir, or True for
-        output_dir; the run continues bit-exactly from its journal."""
+        output_dir; the run continues bit-exactly from its journal. With workers > 1 this process is rank 0 and
+        the other ranks run beside it, each rebuilding this trainer from its arguments (by import)."""
+        resume = resume_from_checkpoint if resume_from_checkpoint is not None else self.args.resume_from_checkpoint
+        if self.trainer is None:  # workers > 1: this process is rank 0, the other ranks rebuild this trainer
+            with self._other_ranks(resume):
+                self.trainer = self._build_trainer()
+                return self._train(resume)
+        return self._train(resume)
+
+    def _train(self, resume: str | bool | None) -> Any:
         from transformers.trainer_utils import TrainOutput
 
-        resume = resume_from_checkpoint if resume_from_checkpoint is not None else self.args.resume_from_checkpoint
         trainer = self._require_trainer()
         self.state, self.control = self._fresh_state()
         if resume:
@@ -308,6 +330,57 @@ class ESTrainer:
         self.control = self._event("on_train_end")
         self.summary = summary
         return TrainOutput(global_step=summary["steps"], training_loss=math.nan, metrics=metrics)
+
+    @contextlib.contextmanager
+    def _other_ranks(self, resume: str | bool | None) -> Iterator[None]:
+        """Ranks 1..workers-1 as processes beside this one (rank 0), joined through torch.distributed's env://
+        rendezvous on localhost; each gets this trainer's arguments (callables by reference) and trains alike."""
+        ranks = self.cfg.workers
+        with tempfile.TemporaryDirectory(prefix="copes-estrainer-") as folder:
+            spec = Path(folder) / "trainer.pickle"
+            processing_class = None
+            if self.processing_class is not None:
+                processing_class = str(Path(folder) / "processing_class")
+                self.processing_class.save_pretrained(processing_class)
+            given = {option.name: getattr(self.args, option.name) for option in fields(self.args)}
+            spec.write_bytes(pickle.dumps({
+                "model": self.model_spec, "args": {name: given[name] for name in self.args.set_fields},
+                "train_dataset": self.task.rows["train"], "eval_dataset": self.task.rows["validation"] or None,
+                "reward_funcs": self.user_code["reward"], "tools": self.user_code["tool"],
+                "environment_factory": (self.user_code["environment_factory"] or [None])[0],
+                "processing_class": processing_class, "resume": resume}))
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks),
+                     "LOCAL_WORLD_SIZE": str(ranks), WORKERS_ENV: str(ranks)}
+            # the ranks import the user's modules from where this process does (a script's folder included)
+            imports = os.pathsep.join(dict.fromkeys(str(Path(p).resolve()) for p in sys.path if p))
+            children = [subprocess.Popen([sys.executable, "-c", f"from {__name__} import run_rank; run_rank()",
+                                          str(spec)], env={**os.environ, **world, "RANK": str(rank),
+                                                           "LOCAL_RANK": str(rank), "PYTHONPATH": imports})
+                        for rank in range(1, ranks)]
+            saved = {name: os.environ.get(name) for name in [*world, "RANK", "LOCAL_RANK"]}
+            os.environ.update({**world, "RANK": "0", "LOCAL_RANK": "0"})
+            try:
+                yield
+            except BaseException:
+                for child in children:
+                    child.kill()
+                raise
+            finally:
+                failed = [child.wait() for child in children]
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            if any(failed):
+                raise ConfigError(f"a worker rank failed (exit status {max(failed)}); its stderr above says why")
 
     def _earlier_logs(self, steps_done: int) -> list[dict[str, Any]]:
         """log_history of the run being resumed, up to its last journaled step."""
@@ -348,3 +421,18 @@ class ESTrainer:
         folder = output_dir or self.cfg.output_dir
         trainer.model.save_pretrained(folder)
         trainer.tokenizer.save_pretrained(folder)
+
+
+def run_rank() -> None:
+    """A worker rank of an ESTrainer with workers > 1: rebuild the trainer from rank 0's arguments and train."""
+    spec = pickle.loads(Path(sys.argv[-1]).read_bytes())
+    processing_class = None
+    if spec["processing_class"] is not None:
+        from transformers import AutoTokenizer
+
+        processing_class = AutoTokenizer.from_pretrained(spec["processing_class"])
+    trainer = ESTrainer(model=spec["model"], reward_funcs=spec["reward_funcs"] or None, args=ESConfig(**spec["args"]),
+                        train_dataset=spec["train_dataset"], eval_dataset=spec["eval_dataset"],
+                        processing_class=processing_class, tools=spec["tools"] or None,
+                        environment_factory=spec["environment_factory"])
+    trainer.train(resume_from_checkpoint=spec["resume"])

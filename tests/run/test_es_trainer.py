@@ -160,6 +160,21 @@ def test_callback_stop_then_resume_equals_uninterrupted_bitwise(tmp_path):
         [e["reward"] for e in whole.state.log_history if "reward" in e]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+def test_two_workers_equal_one_process_bitwise(tmp_path):
+    """workers=2: this process is rank 0 and one more rank trains beside it, rebuilding the trainer by import; each
+    scores one of the 2 members, and the weights after 2 steps are bitwise those of one process."""
+    one = ESTrainer(**small_run(tmp_path / "one"))
+    one.train()
+    two = ESTrainer(**small_run(tmp_path / "two", workers=2, cpu_threads=1, device_memory_gib=4))
+    two.train()
+    assert two.state.global_step == 2
+    assert_bitwise_equal(weights(one), weights(two))
+    assert [e["reward"] for e in two.state.log_history if "reward" in e] == \
+        [e["reward"] for e in one.state.log_history if "reward" in e]
+
+
 # ---- tools and an environment in the multi-turn agent loop ---------------------------------------------------------
 def call(name: str, **arguments) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
