@@ -253,3 +253,21 @@ def test_tools_and_environment_drive_a_multi_turn_rollout(tmp_path, monkeypatch)
     logged = next(entry for entry in trainer.state.log_history if "reward" in entry)
     assert logged["rewards/Vault/mean"] == 0.5 and logged["rewards/says_done/mean"] == 1.0
     assert logged["reward"] == 1.5  # questions a: 1 + 1, b: 1 + 0, both members alike
+
+
+@pytest.mark.slow
+def test_trl_to_es_example_runs_on_the_embedded_model(tmp_path):
+    """examples/trl_to_es.py, as a user runs it: trains, evaluates before and after, saves a loadable model."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers.paths import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "trl_to_es.py"), "--steps", "1",
+                           "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step 1: reward" in done.stdout and "held-out reward" in done.stdout
+    assert (tmp_path / "run" / "model.safetensors").is_file()
