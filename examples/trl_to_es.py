@@ -1,6 +1,6 @@
 """A TRL GRPO script moved to evolution strategies: two lines change (docs/from-trl.md).
 
-    python examples/trl_to_es.py [--steps 3] [--output-dir runs/trl_to_es]
+    python examples/trl_to_es.py [--steps 3] [--output-dir runs/trl_to_es] [--device-memory-gib GIB]
 
 It trains the embedded tiny model (66.6K parameters, adds and subtracts integers) on a `datasets.Dataset` with a
 `prompt` column and an extra `answer` column, scored by a TRL-signature reward function that reads that column, with
@@ -44,11 +44,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--output-dir", default="runs/trl_to_es")
+    parser.add_argument("--device-memory-gib", type=float, help="the memory the plan budgets (default: what is free)")
     options = parser.parse_args()
     args = Config(output_dir=options.output_dir, max_steps=options.steps, learning_rate=0.0025, logging_steps=1,
                   max_completion_length=6, seed=0,
                   # the ES-only fields: a population of 8 perturbations in 2 subspaces, 32 questions per step
-                  population_size=8, num_subspaces=2, sigma=0.01, prompt_batch_size=32, chunk_size=4096, cpu_threads=1)
+                  population_size=8, num_subspaces=2, sigma=0.01, prompt_batch_size=32, chunk_size=4096, cpu_threads=1,
+                  device_memory_gib=options.device_memory_gib)
     trainer = Trainer(model="tiny", reward_funcs=[exact_sum], args=args, train_dataset=sums(2000, seed=0),
                       eval_dataset=sums(64, seed=1), callbacks=[PrintRewards()])
     before = trainer.evaluate()

@@ -257,7 +257,8 @@ def test_tools_and_environment_drive_a_multi_turn_rollout(tmp_path, monkeypatch)
 
 @pytest.mark.slow
 def test_trl_to_es_example_runs_on_the_embedded_model(tmp_path):
-    """examples/trl_to_es.py, as a user runs it: trains, evaluates before and after, saves a loadable model."""
+    """examples/trl_to_es.py, as a user runs it: trains, evaluates before and after, saves a loadable model (the plan
+    budgets a stated 4 GiB: a shared test machine's free memory says nothing about this run)."""
     import os
     import subprocess
     import sys
@@ -265,9 +266,9 @@ def test_trl_to_es_example_runs_on_the_embedded_model(tmp_path):
     from helpers.paths import REPO
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, str(REPO / "examples" / "trl_to_es.py"), "--steps", "1",
-                           "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=600)
+    command = [sys.executable, str(REPO / "examples" / "trl_to_es.py"), "--steps", "1",
+               "--output-dir", str(tmp_path / "run"), "--device-memory-gib", "4"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 1: reward" in done.stdout and "held-out reward" in done.stdout
     assert (tmp_path / "run" / "model.safetensors").is_file()
