@@ -4,6 +4,8 @@
     stats = es.step(fitness_fn)   # fitness_fn(model) -> float or per-question rewards
 
     summary = copes.train(copes.TrainConfig(task="gsm8k", model="Qwen/Qwen3.5-4B"))   # a whole copes-run
+
+    trainer = copes.ESTrainer(model=..., reward_funcs=[...], args=copes.ESConfig(...), train_dataset=...)  # TRL's way
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ _EXPORTS = {
     "CoPES": "copes.es.strategies",
     "CoPESLowRank": "copes.es.strategies",
     "EGGROLL": "copes.es.strategies",
+    "ESConfig": "copes.run.es_config",
+    "ESTrainer": "copes.run.es_trainer",
     "ParameterSpace": "copes.es.params",
     "StepPlan": "copes.es.strategies",
     "StepStats": "copes.es.strategies",
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
     from copes.es.params import ParameterSpace
     from copes.es.strategies import EGGROLL, CoPES, CoPESLowRank, StepPlan, StepStats, Strategy
     from copes.run.config import TrainConfig, build_config
+    from copes.run.es_config import ESConfig
+    from copes.run.es_trainer import ESTrainer
     from copes.run.trainer import Trainer, train
 
 

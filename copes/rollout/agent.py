@@ -158,9 +158,10 @@ class Trajectory:
         return "".join(self.completion[start:end] for start, end in self.model_spans)
 
 
-def _call_tool(tool: Tool, arguments: dict[str, Any]) -> str:
+def _call_tool(tool: Tool, arguments: dict[str, Any], row: int) -> str:
     try:
-        return tool.call(arguments)
+        # A tool bound to per-row state (an environment instance per rollout, copes.run.trl_task) is told the row.
+        return tool.call_in_row(row, arguments) if hasattr(tool, "call_in_row") else tool.call(arguments)
     # A failing tool must cost one observation, not the whole population's rollout.
     except Exception as error:  # noqa: BLE001
         return f"Error: the {tool.name} tool failed: {type(error).__name__}: {error}"
@@ -178,7 +179,11 @@ def _refusal(call: ParsedCall, budgets: dict[str, int], calls_made: Counter[str]
 
 
 def _run_calls(
-    calls_by_row: list[list[ParsedCall]], tools: dict[str, Tool], config: AgentConfig, calls_made: list[Counter[str]]
+    calls_by_row: list[list[ParsedCall]],
+    tools: dict[str, Tool],
+    config: AgentConfig,
+    calls_made: list[Counter[str]],
+    rows: list[int],
 ) -> list[list[ToolCallRecord]]:
     """Judge every call of the turn in order (budgets are charged per row), then run the admitted ones, on the
     thread pool when there are several: sandboxed Python runs are separate processes, searches are lookups."""
@@ -186,7 +191,12 @@ def _run_calls(
         [(call, _refusal(call, config.budgets, made)) for call in calls]
         for calls, made in zip(calls_by_row, calls_made)
     ]
-    jobs = [(tools[call.name], call.arguments) for row in judged for call, refusal in row if refusal is None]
+    jobs = [
+        (tools[call.name], call.arguments, index)
+        for index, calls in zip(rows, judged)
+        for call, refusal in calls
+        if refusal is None
+    ]
     if config.tool_workers > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(max_workers=min(config.tool_workers, len(jobs))) as pool:
             observations = iter(list(pool.map(lambda job: _call_tool(*job), jobs)))
@@ -210,7 +220,7 @@ def derive_seed(seed: int, *keys: int) -> int:
 
 def _initial_prompts(
     tokenizer: Any,
-    user_prompts: Sequence[str],
+    user_prompts: Sequence[str | list[dict[str, Any]]],
     tools: Sequence[Tool],
     fmt: str | None,
     system_prompt: str | None,
@@ -222,7 +232,11 @@ def _initial_prompts(
     system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     return [
         render_prompt_in_format(
-            tokenizer, [*system, {"role": "user", "content": text}], tools, fmt, config.template_kwargs
+            tokenizer,
+            [*system, *(text if isinstance(text, list) else [{"role": "user", "content": text}])],
+            tools,
+            fmt,
+            config.template_kwargs,
         )
         for text in user_prompts
     ]
@@ -231,7 +245,7 @@ def _initial_prompts(
 def run_agent(
     model: Any,
     tokenizer: Any,
-    user_prompts: list[str],
+    user_prompts: list[str] | list[list[dict[str, Any]]],
     *,
     tools: Sequence[Tool] = (),
     config: AgentConfig,
@@ -240,7 +254,8 @@ def run_agent(
     row_context: RowContext | None = None,
     seed: int | None = None,
 ) -> list[Trajectory]:
-    """Roll out every user prompt, one trajectory per prompt in the same order.
+    """Roll out every user prompt, one trajectory per prompt in the same order. A prompt is the user turn's text or
+    a whole conversation (a list of {"role", "content"} messages, TRL's conversational format).
 
     `chat=False` feeds the raw prompt text for a single turn without tools (the synthetic task).
     `row_context(indices)` wraps every forward (or, on an engine that runs a batch at once, every generate call);
@@ -313,7 +328,7 @@ def run_agent(
                 trajectory.finished_by = "context" if cut_by_context else "length"
                 trajectory.truncated = cut_by_context
         parsed = [parse_tool_calls(generations[index].text, fmt, tools) for index in calling]
-        records = _run_calls(parsed, tools_by_name, config, [calls_made[index] for index in calling])
+        records = _run_calls(parsed, tools_by_name, config, [calls_made[index] for index in calling], calling)
         for index, row_records in zip(calling, records):
             trajectory = trajectories[index]
             # The record keeps the observation exactly as the model was shown it.

@@ -237,7 +237,7 @@ PROMPTS_CHECKED = 1000  # the first training prompts, enough to show either prob
 def startup_warnings(task: Task, examples: Sequence[Example], tokenizer: Any, model: Any) -> list[str]:
     """What a new user should hear before training: prompts longer than the model's positions, and a tokenizer
     that turns most of the prompts into UNK/EOS ids (a model whose vocabulary does not cover the task's text)."""
-    prompts = [task.prompt(example) for example in examples[:PROMPTS_CHECKED]]
+    prompts = [prompt_text(task.prompt(example)) for example in examples[:PROMPTS_CHECKED]]
     if not prompts:
         return []
     ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
@@ -254,6 +254,11 @@ def startup_warnings(task: Task, examples: Sequence[Example], tokenizer: Any, mo
         warnings.append(f"the tokenizer maps {100 * lost / total:.0f}% of {task.name}'s prompt tokens to UNK/EOS: "
                         "this model's vocabulary does not cover the task's text, so it cannot learn it")
     return warnings
+
+
+def prompt_text(prompt: str | list[dict[str, Any]]) -> str:
+    """A prompt's text: a conversational prompt (a list of messages) as its contents, one per line."""
+    return prompt if isinstance(prompt, str) else "\n".join(str(message.get("content", "")) for message in prompt)
 
 
 def warn_at_start(task: Task, examples: Sequence[Example], tokenizer: Any, model: Any) -> None:

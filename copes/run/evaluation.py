@@ -14,7 +14,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from copes.rollout.agent import AgentConfig, Trajectory, derive_seed, run_agent
-from copes.run.scoring import score_rollouts
+from copes.run.scoring import row_prompts, score_rollouts
 from copes.tasks.base import Example, Score, Task
 from copes.tools import Tool
 
@@ -139,7 +139,7 @@ def evaluate(
     config = replace(agent_config, greedy=greedy, temperature=temperature)
 
     started = time.perf_counter()
-    rows = [(example, task.prompt(example)) for example in examples for _ in range(n_samples)]
+    rows = [example for example in examples for _ in range(n_samples)]
     samples: list[dict[str, Any]] = []
     with tqdm(total=len(rows), desc=f"eval {task.name}", unit="rollout", disable=not progress) as bar:
         for batch_number, start in enumerate(range(0, len(rows), batch_size)):
@@ -149,14 +149,14 @@ def evaluate(
             trajectories = run_agent(
                 model,
                 tokenizer,
-                [prompt for _, prompt in batch],
+                row_prompts(task, batch),
                 tools=tools if task.chat else (),  # raw-prompt tasks run one turn without tools
                 config=config,
                 system_prompt=system_prompt if system_prompt is not None else getattr(task, "system_prompt", None),
                 chat=task.chat,
                 seed=derive_seed(seed, batch_number),
             )
-            scores = score_rollouts(task, [example for example, _ in batch], trajectories)
+            scores = score_rollouts(task, batch, trajectories)
             samples += [_sample_record(trajectory, score) for trajectory, score in zip(trajectories, scores)]
             bar.update(len(batch))
     records = [

@@ -27,6 +27,14 @@ def score_rollouts(task: Task, examples: Sequence[Example], trajectories: Sequen
     return task.score_batch([t.final_text for t in trajectories], list(examples), [t.used_tool for t in trajectories])
 
 
+def row_prompts(task: Task, rows: Sequence[Example]) -> list[Any]:
+    """The prompt of each rollout row. A task whose rollouts carry per-row state (copes.ESTrainer's environments: one
+    instance per rollout, reset with the row) starts it here, through its `start_rollout(rows)`, which returns the
+    prompts; `score_batch` then follows for the same rows, in the same order."""
+    start = getattr(task, "start_rollout", None)
+    return start(list(rows)) if start is not None else [task.prompt(example) for example in rows]
+
+
 def rollouts(
     model: Any,
     tokenizer: Any,
@@ -61,15 +69,15 @@ def roll_out(
     row_members: Any = None,
 ) -> list[Trajectory]:
     """The trajectories of `rollouts`, unscored: every question once per member (or once), in that order."""
-    prompts = [task.prompt(example) for example in examples]
     copies = len(members) if members is not None else 1
+    prompts = row_prompts(task, list(examples) * copies)
     row_context = None
     if row_members is not None:
-        member_of_row = torch.as_tensor(list(members)).repeat_interleave(len(prompts))
+        member_of_row = torch.as_tensor(list(members)).repeat_interleave(len(examples))
         row_context = lambda indices: row_members(member_of_row[indices])  # noqa: E731
     tools_seconds_before = timer.seconds["tools"]
     with timer("generate"):
-        trajectories = run_agent(model, tokenizer, prompts * copies, tools=tools if task.chat else (),
+        trajectories = run_agent(model, tokenizer, prompts, tools=tools if task.chat else (),
                                  config=agent, chat=task.chat, row_context=row_context,
                                  system_prompt=getattr(task, "system_prompt", None))
     timer.add("generate", -(timer.seconds["tools"] - tools_seconds_before))  # tool time is reported on its own

@@ -267,6 +267,9 @@ class Trainer:
                 check_in_sync(self.model, step + 1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 self.save(step + 1)
+            if self.after_step(step + 1, metrics):
+                stopped_by = "callback"
+                break
             if self.share(self.budget.spent(), step + 1):
                 stopped_by = "budget"  # rank 0's clock decides for everyone
                 break
@@ -275,6 +278,12 @@ class Trainer:
         if record.saved_step != completed:
             self.save(completed)
         return self.summary(eval_after, completed, stopped_by, time.perf_counter() - started)
+
+    def after_step(self, step: int, metrics: dict[str, Any]) -> bool:
+        """Called on every rank once step `step` is journaled (and checkpointed when due); True stops the run there,
+        cleanly: the held-out evaluation and checkpoint of the end follow, and --resume continues it. A subclass
+        (copes.ESTrainer's callbacks) decides; the plain run never stops here."""
+        return False
 
     def summary(self, eval_after: dict, steps: int, stopped_by: str, wall: float) -> dict[str, Any]:
         peaks = peak_memory_bytes(self.device)

@@ -1,0 +1,98 @@
+"""What copes.ESTrainer adds to a step: the same run through `copes-run` and through ESTrainer, side by side.
+
+Both train the embedded tiny model on the same rows (a .jsonl file for copes-run, the same rows as a
+datasets.Dataset for ESTrainer) with the same TRL-signature reward (`exact_sum` below: `--reward
+estrainer_overhead:exact_sum` for copes-run, in its reward worker; called in process by ESTrainer, as TRL does), the
+same ES settings and seed. The step time of each is the Trainer's own training wall time (summary.json
+`wall_seconds`, no held-out evaluation, model loading excluded) over the steps; rounds alternate the two, and each
+keeps its fastest round (a shared machine only ever adds time). Goal: ESTrainer / copes-run <= 1.02.
+
+    python bench/estrainer_overhead.py [--steps 5] [--rounds 3] [--population 8] [--prompt-batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from harness import machine_note, report
+
+BENCH = Path(__file__).resolve().parent
+
+
+def exact_sum(completions: list, answer: list, **kwargs) -> list[float]:
+    """1 for the exact sum (TRL's reward signature; standard data, so completions are strings)."""
+    return [float(str(completion).strip() == gold) for completion, gold in zip(completions, answer)]
+
+
+def rows(count: int = 500) -> list[dict[str, str]]:
+    rng = random.Random(0)
+    pairs = [(rng.randint(0, 999), rng.randint(0, 999)) for _ in range(count)]
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+
+
+def settings(options: argparse.Namespace) -> dict[str, object]:
+    """TrainConfig options both runs share (copes-run also reads the tiny model's preset; these override it)."""
+    return dict(algorithm="copes", population=options.population, subspaces=2, sigma=0.01, lr=0.0025,
+                prompt_batch=options.prompt_batch, max_new_tokens=6, chunk_size=4096, steps=options.steps, seed=0,
+                eval_size=0, cpu_threads=1, checkpoint_every=0, sample_every=0, budget_hours=10.0)
+
+
+def through_copes_run(data: Path, out: Path, options: argparse.Namespace) -> float:
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in settings(options).items()]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", "from copes.cli import run_command; run_command()", *flags,
+                    f"--task={data}", "--task-options", "chat=false", "--reward=estrainer_overhead:exact_sum",
+                    "--model=tiny", f"--output-dir={out}", "--quiet"],
+                   check=True, env=env, stdout=subprocess.DEVNULL)
+    return json.loads((out / "summary.json").read_text())["wall_seconds"] / options.steps
+
+
+def through_estrainer(data: list[dict[str, str]], out: Path, options: argparse.Namespace) -> float:
+    from datasets import Dataset
+
+    from copes import ESConfig, ESTrainer
+    from copes.run.es_config import GRPO_NAMES
+
+    es_fields = {GRPO_NAMES.get(name, name): value for name, value in settings(options).items()}
+    reward = importlib.import_module("estrainer_overhead").exact_sum  # by module, as copes-run has it: hashed alike
+    trainer = ESTrainer(model="tiny", reward_funcs=[reward], args=ESConfig(output_dir=str(out), **es_fields),
+                        train_dataset=Dataset.from_list(data))
+    trainer.train()
+    return trainer.summary["wall_seconds"] / options.steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--population", type=int, default=8)
+    parser.add_argument("--prompt-batch", type=int, default=32)
+    options = parser.parse_args()
+    data = rows()
+    best = {"copes-run": float("inf"), "ESTrainer": float("inf")}
+    with tempfile.TemporaryDirectory(prefix="estrainer-bench-") as folder:
+        data_file = Path(folder) / "sums.jsonl"
+        data_file.write_text("".join(json.dumps(row) + "\n" for row in data))
+        for round_index in range(options.rounds):
+            best["copes-run"] = min(best["copes-run"],
+                                    through_copes_run(data_file, Path(folder) / f"run-{round_index}", options))
+            best["ESTrainer"] = min(best["ESTrainer"],
+                                    through_estrainer(data, Path(folder) / f"es-{round_index}", options))
+    report("estrainer_overhead", [
+        {"path": "copes-run", "seconds_per_step": best["copes-run"], "ratio": 1.0},
+        {"path": "ESTrainer", "seconds_per_step": best["ESTrainer"],
+         "ratio": best["ESTrainer"] / best["copes-run"]},
+    ], f"ESTrainer vs copes-run, {options.steps} steps, N={options.population}, {options.prompt_batch} questions per "
+       f"step, best of {options.rounds} rounds ({machine_note()})")
+
+
+if __name__ == "__main__":
+    main()
