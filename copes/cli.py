@@ -161,9 +161,12 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 
         click.echo(plan_for(cfg).table())
         return
-    if cfg.workers > 1:
-        from copes.run.distributed import launched_by_copes_run, launched_distributed
+    from copes.run.distributed import launched_by_copes_run, launched_distributed
+    from copes.run.record import claim_output_dir
 
+    if not (launched_distributed() and launched_by_copes_run()):  # --workers ranks write where the parent claimed
+        cfg = claim_output_dir(cfg, resuming=bool(resume), may_move=not launched_distributed())
+    if cfg.workers > 1:
         if not launched_distributed():
             sys.exit(_run_as_workers(cfg, resume, quiet))
         if not launched_by_copes_run():
@@ -245,7 +248,8 @@ def bench_command(config_file: str | None, steps: int, **flags: Any) -> None:
     """Time ES steps by phase and report the engine's overhead (perturb + restore + update) as a fraction."""
     from copes.run.trainer import Trainer
 
-    overrides = {**flags, "steps": steps, "eval_size": 0, "checkpoint_every": 0}
+    # A timing run: each replaces the previous one in its folder.
+    overrides = {**flags, "steps": steps, "eval_size": 0, "checkpoint_every": 0, "overwrite": True}
     trainer = Trainer(_config(config_file, overrides), progress=True)
     summary = trainer.train()
     phases = summary["phase_seconds"]

@@ -32,6 +32,7 @@ from copes.choices import (
 )
 from copes.errors import ConfigError
 
+DEFAULT_OUTPUT_DIR = "runs/copes"
 # Where each algorithm-specific option applies; an option set for any other algorithm is ignored (with a warning).
 # Options that fix a run's trajectory: a resumed run must share them with the journal it continues.
 RESUME_KEYS = ("model", "task", "task_options", "reward", "reward_weights", "algorithm", "population", "subspaces",
@@ -133,7 +134,11 @@ class TrainConfig:
     eval_every: int = _opt(0, "steps between held-out evaluations during training (0: only before and after)")
     checkpoint_every: int = _opt(0, "steps between checkpoint exports (0: only at the end); "
                                     "resume needs only the journal")
-    output_dir: str = _opt("runs/copes", "where metrics, plots, summary and checkpoints go")
+    output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "where metrics, plots, summary and checkpoints go; a folder holding a "
+                                               "run is refused (the default one: the run moves to a fresh "
+                                               "numbered folder)")
+    overwrite: bool = _opt(False, "start a new run in --output-dir even though it holds one: the earlier run's "
+                                  "journal, metrics, samples, summary, plots and checkpoints are deleted first")
     budget_hours: float | None = _opt(None, "stop cleanly (checkpoint + summary) after this much wall time")
     dist_check_every: int = _opt(10, "with torchrun: steps between cross-rank weight checksum comparisons")
     dist_timeout_s: float = _opt(1800.0, "with torchrun: seconds a rank waits for the others before failing")

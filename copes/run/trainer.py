@@ -47,7 +47,7 @@ from copes.run.distributed import (
 from copes.run.evaluation import evaluate, merge_results
 from copes.run.metrics import PhaseTimer, import_wandb, peak_memory_bytes, progress_bar, zero_update_warning
 from copes.run.plan import check_plan
-from copes.run.record import RunRecord
+from copes.run.record import RunRecord, claim_output_dir
 from copes.run.replay import replay_member, replays_members
 from copes.run.scoring import MemberScoring, roll_out, rollouts
 from copes.tasks import Example
@@ -299,7 +299,7 @@ def train(config: TrainConfig | dict[str, Any], *, task: Any = None, reward: Any
     layer = {**(config.to_dict() if isinstance(config, TrainConfig) else config),
              **({"task": task} if task is not None else {}), **({"reward": reward} if reward is not None else {})}
     plain, given = split_given(layer)
-    trainer = Trainer(build_config(plain), progress=progress, given=given)
+    trainer = Trainer(claim_output_dir(build_config(plain), resuming=bool(resume)), progress=progress, given=given)
     if resume:
         trainer.resume(resume)
     return trainer.train()
