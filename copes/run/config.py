@@ -65,6 +65,9 @@ class TrainConfig:
                                  "f(completions, **columns) -> list[float | None]")
     reward_timeout_s: float = _opt(30.0, "seconds one call of a MODULE:FUNCTION reward may take; a call that runs "
                                          "longer (or raises) gives invalid rewards and one warning")
+    invalid_reward_steps: int = _opt(3, "stop the run after this many consecutive steps in which one reward function "
+                                        "was invalid for every row (it raised, hung or returned None/NaN); 0 never "
+                                        "stops")
     reward_weights: list[float] = _opt([], "one weight per --reward (default: 1 each); a completion's reward is the "
                                            "weighted sum")
     algorithm: str = _opt("copes", " | ".join(f"{a.name} ({a.help})" for a in ALGORITHM_TABLE), choices=ALGORITHMS)
@@ -189,6 +192,8 @@ class TrainConfig:
         if self.antithetic and self.algorithm in PER_MEMBER_ALGORITHMS and (self.population // self.num_subspaces) % 2:
             raise ConfigError(f"--antithetic pairs the members of each subspace, but --population {self.population} "
                               f"gives {self.population // self.num_subspaces} per subspace (odd)")
+        if self.invalid_reward_steps < 0:
+            raise ConfigError(f"--invalid-reward-steps must be >= 0, got {self.invalid_reward_steps}")
         if not self.reward_timeout_s > 0:
             raise ConfigError(f"--reward-timeout-s must be > 0, got {self.reward_timeout_s}")
         if self.reward_weights and len(self.reward_weights) != len(self.reward):
