@@ -12,7 +12,7 @@ import pytest
 from copes.rewards import extract_answer, format_reward, last_boxed, math_correct, math_correct_batch, tool_bonus
 from copes.rewards.math import MathVerifierPool
 
-from helpers.datadir import DATA_DIR, needs_data
+from helpers.datadir import DATA_DIR
 
 GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
 
@@ -154,7 +154,6 @@ def _gsm8k_final_answer(text: str) -> str:
     return answers[-1].strip() if answers else ""
 
 
-@needs_data
 def test_gsm8k_model_solutions_agree_with_labels() -> None:
     rows = _read_jsonl(DATA_DIR / "math" / "gsm8k_model_solutions.jsonl")
     predictions, golds, labels = [], [], []
@@ -167,11 +166,10 @@ def test_gsm8k_model_solutions_agree_with_labels() -> None:
     verdicts = math_correct_batch(predictions, golds)
     agreement = sum(v == label for v, label in zip(verdicts, labels)) / len(labels)
     print(f"gsm8k model solutions: agreement {agreement:.4%} on {len(labels)} solutions")
-    assert len(labels) == 4 * 1319
+    assert len(labels) == 4 * len(rows)
     assert agreement >= 0.99
 
 
-@needs_data
 def test_math500_gold_solutions_match_their_own_answers() -> None:
     rows = _read_jsonl(DATA_DIR / "math" / "math500_test.jsonl")
     # The whole solution text goes to math-verify (no extraction), so the check is not a string comparison.
@@ -181,7 +179,6 @@ def test_math500_gold_solutions_match_their_own_answers() -> None:
     assert not failures
 
 
-@needs_data
 def test_math500_answers_rarely_match_another_problem() -> None:
     rows = _read_jsonl(DATA_DIR / "math" / "math500_test.jsonl")
     # Pair each problem's extracted answer with its neighbour's gold answer.
