@@ -1,5 +1,6 @@
 """Fixtures the orchestrator tests share: one torch thread per test module, the tiny tokenizer / model
-(`tiny_models`) that the rollout, agent and evaluation tests generate with, and the data folder (`datadir`: the full sets, else the slices in tests/fixtures/data).
+(`tiny_models`) that the rollout, agent and evaluation tests generate with, and the data folder (`datadir`: the
+full sets, else the slices in tests/fixtures/data).
 
 No test reaches the Hugging Face hub: the offline switches are set here, for the whole session and every process
 a test starts, before anything imports huggingface_hub (it reads them once, at import). A test that starts
