@@ -19,7 +19,7 @@ from copes.tasks import get_task
 from copes.tasks.base import Example
 from copes.tasks.countdown import FORMAT_CREDIT
 
-from helpers.datadir import DATA_DIR
+from helpers.datadir import DATA_DIR, FULL_DATA
 
 DATA = DATA_DIR
 PAIRS_PER_DATASET = 12
@@ -143,7 +143,7 @@ def test_a_qa_hedge_never_beats_a_guess(qa_gold_pairs: list[tuple[str, str]], op
             hedge = form.format(a=a, b=b)
             if _expected(task, hedge, a, b) > best_guess:
                 beaten.append(hedge)
-    assert len(qa_gold_pairs) > 80
+    assert len(qa_gold_pairs) > (80 if FULL_DATA else 60)  # the slices hold 12 HotpotQA dev rows, not 300
     assert not beaten, f"{len(beaten)} hedges beat the best guess, e.g. {beaten[:3]}"
 
 
