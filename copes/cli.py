@@ -177,7 +177,13 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     say = click.echo if trainer.is_main else (lambda *_: None)  # under torchrun, rank 0 speaks for all
     say(f"{cfg.method} on {cfg.task}: N={cfg.population} K={cfg.num_subspaces} sigma={cfg.sigma} "
                f"lr={cfg.lr} model={cfg.model} device={trainer.device} -> {cfg.output_dir}")
-    summary = trainer.train()
+    try:
+        summary = trainer.train()
+    except KeyboardInterrupt:  # the journal holds every member scored so far: say how to go on, not "Aborted!"
+        if trainer.is_main:
+            click.echo(f"\ninterrupted; continue this run with: copes-run --resume {Path(cfg.output_dir).resolve()}",
+                       err=True)
+        sys.exit(130)
     before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
     if before is None or after is None:
         say(f"{summary['steps']} steps in {summary['wall_seconds']:.0f}s (no held-out evaluation); "

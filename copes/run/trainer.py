@@ -277,6 +277,9 @@ class Trainer:
         if record.eval_before is None:
             with self.budget.reserve_as_long_as():
                 record.record_eval_before(self.held_out(step=0))
+            if self.is_main and record.eval_before["accuracy"] is not None:  # said now, not only with the result
+                tqdm.write(f"held-out accuracy before training: {100 * record.eval_before['accuracy']:.1f}% "
+                           f"({record.eval_before['questions']} questions)", file=sys.stderr)
         stopped_by, step = "steps", self.start_step
         bar = progress_bar(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}",
                            initial=self.start_step, total=cfg.steps, enabled=self.progress and self.is_main)
