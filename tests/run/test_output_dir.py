@@ -66,3 +66,17 @@ def test_a_second_copes_run_leaves_the_first_intact(tmp_path: Path) -> None:
     assert replaced.returncode == 0, replaced.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["latest", "step-000002"]
+
+
+def test_ctrl_c_ends_with_the_resume_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards: Ctrl-C printed click's "Aborted!" without the command that continues the run."""
+    from copes.run.trainer import Trainer
+
+    def interrupted(self: Trainer) -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "train", interrupted)
+    result = run_in_process("--output-dir", str(tmp_path / "run"), "--steps", "1")
+    assert result.exit_code == 130
+    assert result.output.strip().splitlines()[-1] == (
+        f"interrupted; continue this run with: copes-run --resume {(tmp_path / 'run').resolve()}")
