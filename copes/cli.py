@@ -161,9 +161,12 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 
         click.echo(plan_for(cfg).table())
         return
-    if cfg.workers > 1:
-        from copes.run.distributed import launched_by_copes_run, launched_distributed
+    from copes.run.distributed import launched_by_copes_run, launched_distributed
+    from copes.run.record import claim_output_dir
 
+    if not (launched_distributed() and launched_by_copes_run()):  # --workers ranks write where the parent claimed
+        cfg = claim_output_dir(cfg, resuming=bool(resume), may_move=not launched_distributed())
+    if cfg.workers > 1:
         if not launched_distributed():
             sys.exit(_run_as_workers(cfg, resume, quiet))
         if not launched_by_copes_run():
@@ -174,7 +177,13 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     say = click.echo if trainer.is_main else (lambda *_: None)  # under torchrun, rank 0 speaks for all
     say(f"{cfg.method} on {cfg.task}: N={cfg.population} K={cfg.num_subspaces} sigma={cfg.sigma} "
                f"lr={cfg.lr} model={cfg.model} device={trainer.device} -> {cfg.output_dir}")
-    summary = trainer.train()
+    try:
+        summary = trainer.train()
+    except KeyboardInterrupt:  # the journal holds every member scored so far: say how to go on, not "Aborted!"
+        if trainer.is_main:
+            click.echo(f"\ninterrupted; continue this run with: copes-run --resume {Path(cfg.output_dir).resolve()}",
+                       err=True)
+        sys.exit(130)
     before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
     if before is None or after is None:
         say(f"{summary['steps']} steps in {summary['wall_seconds']:.0f}s (no held-out evaluation); "
@@ -245,7 +254,8 @@ def bench_command(config_file: str | None, steps: int, **flags: Any) -> None:
     """Time ES steps by phase and report the engine's overhead (perturb + restore + update) as a fraction."""
     from copes.run.trainer import Trainer
 
-    overrides = {**flags, "steps": steps, "eval_size": 0, "checkpoint_every": 0}
+    # A timing run: each replaces the previous one in its folder.
+    overrides = {**flags, "steps": steps, "eval_size": 0, "checkpoint_every": 0, "overwrite": True}
     trainer = Trainer(_config(config_file, overrides), progress=True)
     summary = trainer.train()
     phases = summary["phase_seconds"]

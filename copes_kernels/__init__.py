@@ -20,6 +20,7 @@ from copes_kernels.dispatch import (
     restore_chunks_,
 )
 from copes_kernels.partition import DEFAULT_CHUNK_SIZE, make_partition, num_chunks
+from copes_kernels.rounding import round_stochastic, rounding_uniforms
 from copes_kernels.run_tables import RunTable, build_run_table
 from copes_kernels.warm_up import warm_up
 from copes_kernels.weight_set import WeightSet, tensor_id_of
@@ -42,6 +43,8 @@ __all__ = [
     "perturb_",
     "philox4x32_10",
     "restore_chunks_",
+    "round_stochastic",
+    "rounding_uniforms",
     "RunTable",
     "WeightSet",
     "tensor_id_of",

@@ -12,8 +12,6 @@ import pytest
 import torch
 
 import copes_kernels as ck
-from copes_kernels.backends import reference
-from copes_kernels.rng import ROUNDING_STREAM
 from kernels_tests.helpers import bits, storage_ulp
 
 POPULATION = 6
@@ -85,10 +83,8 @@ def dense_update(p: torch.Tensor, tensor_id: int, seeds: list[int], coeffs: list
         total = total + torch.tensor(coeff, dtype=torch.float32) * ck.normal(
             flat.numel(), seed=seed, member=member, tensor_id=tensor_id
         )
-    uniforms = reference.uniform_stream(
-        flat.numel(), seed=seeds[0], stream=ROUNDING_STREAM, tensor_id=tensor_id, offset=0, device="cpu"
-    )
-    flat.copy_(reference.round_stochastic(total, p.dtype, uniforms))
+    uniforms = ck.rounding_uniforms(flat.numel(), seed=seeds[0], tensor_id=tensor_id)  # the public stream
+    flat.copy_(ck.round_stochastic(total, p.dtype, uniforms))
 
 
 def dense_loop(model: torch.nn.Module, batch, history: list[dict]) -> None:

@@ -1,5 +1,6 @@
 """Fixtures the orchestrator tests share: one torch thread per test module, the tiny tokenizer / model
-(`tiny_models`) that the rollout, agent and evaluation tests generate with, and the data folder (`datadir`).
+(`tiny_models`) that the rollout, agent and evaluation tests generate with, and the data folder (`datadir`: the
+full sets, else the slices in tests/fixtures/data).
 
 No test reaches the Hugging Face hub: the offline switches are set here, for the whole session and every process
 a test starts, before anything imports huggingface_hub (it reads them once, at import). A test that starts
@@ -20,12 +21,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from helpers import cli_runs  # noqa: E402
-from helpers.datadir import DATA_DIR, missing_reason  # noqa: E402
+from helpers.datadir import DATA_DIR  # noqa: E402
 from helpers.timing import seconds  # noqa: E402
 from helpers.tiny_models import build_tiny_tokenizer, tiny_qwen3  # noqa: E402
 
-if DATA_DIR.is_dir():  # the copes-run processes and get_task's default read the same folder as the tests
-    os.environ.setdefault("COPES_DATA_DIR", str(DATA_DIR))
+# The copes-run processes and get_task's default read the same folder as the tests (the slices on a bare clone:
+# never the hub, never a COPES_DATA_DIR that names a missing folder).
+os.environ["COPES_DATA_DIR"] = str(DATA_DIR)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -46,9 +48,7 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """The real datasets' folder ($COPES_DATA_DIR, else ../shared/data); the test skips when it is absent."""
-    if not DATA_DIR.is_dir():
-        pytest.skip(missing_reason())
+    """The real datasets' folder: the full sets ($COPES_DATA_DIR, else ../shared/data), else the repository's slices."""
     return DATA_DIR
 
 

@@ -8,9 +8,11 @@ which the trainer scores as today's invalid rewards (the worst finite reward of 
 
 A spec names one: a built-in (`REWARD_NAMES`: exact, math, qa_em, qa_f1, countdown, format) or
 `MODULE:FUNCTION`, imported from the working directory or PYTHONPATH. Built-ins run in this process (math's
-verifier has its own pool). A user function runs in a persistent worker process of its own with a per-call
-timeout: an exception, a hang, a dead worker or a malformed result makes that call's rewards invalid and prints
-one warning per function, never ends the run (a hung worker is killed and a fresh one serves the next call).
+verifier has its own pool). A user function runs in a persistent worker process of its own
+(`copes.rewards.deadline`: a fresh interpreter that imports it by name, never re-running the caller's script) with
+a per-call timeout: an exception, a hang, a dead worker or a malformed result makes that call's rewards invalid
+and prints one warning per function (a hung worker is killed, and the function skipped for the rest of the step).
+A reward invalid for every row of `--invalid-reward-steps` steps in a row stops the run (`copes.run.trainer`).
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ import hashlib
 import importlib
 import importlib.util
 import math
-import multiprocessing
+import numbers
 import os
-import pickle
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from copes.errors import ConfigError
 from copes.rewards.countdown import countdown_correct
+from copes.rewards.deadline import DeadlineWorker, WorkerDied, WorkerRaised, WorkerTimeout
 from copes.rewards.extract import answer_span, extract_answer
 from copes.rewards.format import format_reward
 from copes.rewards.math import math_correct_batch
@@ -156,85 +159,35 @@ def sha256_of(path: Path) -> str:
 # Worker processes.
 
 
-def _serve(connection: Any, target: str | bytes | Callable[..., Any]) -> None:
-    """Worker side: resolve the function once (an import path, a pickled reference, or inherited through fork),
-    then answer (completions, columns) calls until the pipe closes."""
-    try:
-        if isinstance(target, str):
-            function = import_object(target, "reward")
-        else:
-            function = pickle.loads(target) if isinstance(target, bytes) else target
-    except Exception as error:  # noqa: BLE001 - reported to the parent, which warns
-        connection.send(("error", f"could not be loaded: {type(error).__name__}: {error}"))
-        return
-    connection.send(("ready", None))
-    while True:
-        try:
-            completions, columns = connection.recv()
-        except EOFError:
-            return
-        try:
-            connection.send(("ok", function(completions, **columns)))
-        except Exception as error:  # noqa: BLE001 - any failure of user code is that call's invalid rewards
-            connection.send(("error", f"{type(error).__name__}: {error}"))
-
-
 class RewardCallFailed(Exception):
     """A user reward call gave no usable rewards; the message says why (for the one warning)."""
 
 
 class WorkerReward:
-    """A user reward function in its own persistent worker process; each call waits at most `timeout_s`."""
+    """A user reward function in its own persistent worker process (`copes.rewards.deadline`); each call waits at
+    most `timeout_s`, and after a timeout the function is abandoned until `new_step()`: a hanging reward costs one
+    timeout per step, not one per call."""
 
     def __init__(self, function: str | Callable[..., Any], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.target: str | bytes | Callable[..., Any] = function
-        self.context = multiprocessing.get_context("spawn")  # spawned: the worker inherits no threads or model
-        if callable(function):
-            try:  # a module-level function travels into a spawned worker by reference
-                self.target = pickle.dumps(function)
-            except (pickle.PicklingError, AttributeError, TypeError):  # a lambda or closure: inherit it by fork
-                self.context = multiprocessing.get_context("fork")
+        self.worker = DeadlineWorker(function, abandon_after_timeout=True, startup_timeout_s=_STARTUP_TIMEOUT_S)
         self.timeout_s = timeout_s
-        self.process: Any = None
-        self.connection: Any = None
-        self.startup: tuple[str, Any] = ("ready", None)
 
-    def _start(self) -> None:
-        parent, child = self.context.Pipe()
-        self.process = self.context.Process(target=_serve, args=(child, self.target), daemon=True)
-        self.process.start()
-        child.close()
-        self.connection = parent
-        try:  # the worker first imports the user's module (and whatever that imports)
-            self.startup = parent.recv() if parent.poll(_STARTUP_TIMEOUT_S) else ("hang", None)
-        except (EOFError, OSError):
-            self.startup = ("died", None)
+    def new_step(self) -> None:
+        self.worker.resume()
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.join()
-            self.connection.close()
-        self.process = self.connection = None
+        self.worker.close()
 
     def __call__(self, completions: list[str], **columns: Any) -> list[Any]:
-        if self.process is None or not self.process.is_alive():
-            self._start()
-        status, value = self.startup
-        if status == "ready":
-            try:
-                self.connection.send((completions, columns))
-                status, value = self.connection.recv() if self.connection.poll(self.timeout_s) else ("hang", None)
-            except (EOFError, OSError):
-                status, value = "died", None
-        if status == "ok":
-            return value
-        self.stop()
-        if status == "hang":
-            raise RewardCallFailed(f"gave no answer within {self.timeout_s:g}s (its worker was killed and replaced)")
-        if status == "died":
-            raise RewardCallFailed("lost its worker process (a fresh one serves the next call)")
-        raise RewardCallFailed(f"raised {value}")
+        try:
+            return self.worker.call(completions, timeout_s=self.timeout_s, **columns)
+        except WorkerTimeout:
+            raise RewardCallFailed(f"gave no answer within {self.timeout_s:g}s (its worker was killed; the reward "
+                                   "is skipped for the rest of this step)") from None
+        except WorkerDied as error:
+            raise RewardCallFailed(str(error)) from None
+        except WorkerRaised as error:
+            raise RewardCallFailed(f"raised {error}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -260,19 +213,52 @@ def resolve_reward(spec: str | Callable[..., Any], *, answer_field: str,
     raise ConfigError(f"unknown reward {spec!r}; give a built-in ({', '.join(REWARD_NAMES)}) or MODULE:FUNCTION")
 
 
-def _checked(values: Any, rows: int) -> list[float]:
-    """A reward function's result as floats (None -> NaN, the invalid marker); anything else is a failure."""
-    if not isinstance(values, (list, tuple)) or len(values) != rows:
-        raise RewardCallFailed(f"returned {type(values).__name__} {str(values)[:60]}, not a list of {rows} rewards")
-    try:
-        return [math.nan if value is None else float(value) for value in values]
-    except (TypeError, ValueError):
-        raise RewardCallFailed(f"returned a non-number among {str(values)[:60]}") from None
+def _described(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def validated(values: Any, rows: int) -> list[float]:
+    """The one check of a reward function's result: a list or tuple of exactly one number per completion (None,
+    NaN and inf mark an invalid reward and become NaN); anything else fails the whole call."""
+    if not isinstance(values, (list, tuple)):
+        raise RewardCallFailed(f"returned {type(values).__name__} {_described(values)}, not a list of {rows} rewards")
+    if len(values) != rows:
+        raise RewardCallFailed(f"returned {len(values)} rewards for {rows} completions (one per completion)")
+    checked = []
+    for value in values:
+        if value is None:
+            checked.append(math.nan)
+        elif isinstance(value, numbers.Real):  # bool, int, float and numpy's scalars; "1.0" is not a number
+            checked.append(float(value) if math.isfinite(value) else math.nan)
+        else:
+            raise RewardCallFailed(f"returned {type(value).__name__} {_described(value)} among its rewards "
+                                   "(rewards are numbers, or None for an invalid one)")
+    return checked
+
+
+@dataclass
+class RewardStepStats:
+    """One reward function's values over a step: what `rewards/<label>/mean` and the invalid-reward stop read."""
+
+    rows: int = 0
+    valid: int = 0
+    total: float = 0.0
+    last_error: str | None = None
+
+    def merged(self, other: RewardStepStats) -> RewardStepStats:
+        return RewardStepStats(self.rows + other.rows, self.valid + other.valid, self.total + other.total,
+                               other.last_error or self.last_error)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.valid if self.valid else None
 
 
 class RewardSet:
     """Several reward functions and their weights; a completion's reward is the weighted sum, NaN (invalid)
-    when any of its terms is. Each function that fails is warned about once."""
+    when any of its terms is. Each function that fails is warned about once, and so is each that returns NaN or
+    inf. `new_step()` starts a step's per-function statistics (`step_stats`) and serves abandoned functions again."""
 
     def __init__(self, rewards: Sequence[tuple[str, RewardFunction]], weights: Sequence[float] = ()) -> None:
         if not rewards:
@@ -281,22 +267,45 @@ class RewardSet:
             raise ConfigError(f"--reward-weights gives {len(weights)} weights for {len(rewards)} rewards "
                               f"({', '.join(label for label, _ in rewards)})")
         self.rewards, self.weights = list(rewards), [float(w) for w in weights] or [1.0] * len(rewards)
-        self.warned: set[str] = set()
+        self.warned: set[tuple[str, str]] = set()
+        self.step_stats = {label: RewardStepStats() for label in self.labels}
 
     @property
     def labels(self) -> list[str]:
         return [label for label, _ in self.rewards]
 
+    def new_step(self) -> None:
+        self.step_stats = {label: RewardStepStats() for label in self.labels}
+        for _, function in self.rewards:
+            if isinstance(function, WorkerReward):
+                function.new_step()
+
+    def _warn_once(self, label: str, kind: str, message: str) -> None:
+        if (label, kind) not in self.warned:
+            self.warned.add((label, kind))
+            print(f"warning: reward {label} {message}", file=sys.stderr, flush=True)
+
     def _terms(self, label: str, function: RewardFunction, completions: list[str],
                columns: dict[str, list[Any]]) -> list[float]:
+        stats = self.step_stats[label]
+        stats.rows += len(completions)
         try:
-            return _checked(function(completions, **columns), len(completions))
+            values = function(completions, **columns)
+            terms = validated(values, len(completions))
         except RewardCallFailed as failure:
-            if label not in self.warned:
-                self.warned.add(label)
-                print(f"warning: reward {label} {failure}; those rewards count as invalid (later failures of "
-                      "this reward are not reported again)", file=sys.stderr, flush=True)
+            stats.last_error = str(failure)
+            self._warn_once(label, "failed", f"{failure}; those rewards count as invalid (later failures of this "
+                                             "reward are not reported again)")
             return [math.nan] * len(completions)
+        valid = [term for term in terms if not math.isnan(term)]
+        stats.valid, stats.total = stats.valid + len(valid), stats.total + sum(valid)
+        nonfinite = sum(value is not None and math.isnan(term) for value, term in zip(values, terms))
+        if nonfinite:
+            self._warn_once(label, "nonfinite", f"returned NaN or inf for {nonfinite} of {len(terms)} completions; "
+                                                "those rewards count as invalid (return None to mark one on purpose)")
+        if not valid:
+            stats.last_error = f"no valid reward among {len(terms)} completions"
+        return terms
 
     def score(self, completions: Sequence[str], prompts: Sequence[str],
               rows: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]]:

@@ -2,9 +2,9 @@
 
 math-verify bounds its own work with `signal.alarm`, which only works in a process's main thread, and some
 inputs still run long (huge powers and factorials, deep nesting). So every check runs in a persistent worker
-process (its main thread, where the alarms work) and the caller waits with an outer timeout: a check that
-times out scores False and its worker is killed and replaced. This makes `math_correct` safe to call from any
-thread of the trainer and bounded in time whatever the model writes.
+process (`copes.rewards.deadline`; its main thread, where the alarms work) and the caller waits with an outer
+timeout: a check that times out scores False and its worker is killed and replaced. This makes `math_correct`
+safe to call from any thread of the trainer and bounded in time whatever the model writes.
 
 Parsing: gold and prediction are final answers as strings (`extract_answer` output). The prediction is parsed
 ONE way, never two, so it commits to one answer (a union of two parses could match two different golds, e.g. a
@@ -23,20 +23,15 @@ The gold is parsed first and passed first: `verify(gold, prediction)` is asymmet
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import queue
 import re
-import select
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from copes.extras import check_installed
+from copes.rewards.deadline import DeadlineWorker, WorkerDied, WorkerRaised, WorkerTimeout
 from copes.rewards.extract import closing_braces
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -48,12 +43,10 @@ _STARTUP_TIMEOUT_S = 120.0
 # A hostile answer like 10^{10^{10}} can try to allocate gigabytes before any timeout fires; capping the
 # worker's address space turns that into a MemoryError inside math-verify (scored False) instead.
 _WORKER_MEMORY_LIMIT_BYTES = 4 << 30
-_READY = "ready"
 # A LaTeX command with its first argument (`\\text{ cm}`, `\\begin{pmatrix}`, braces balanced) is not prose; a
 # word of two or more letters left after removing those is.
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+\s*")
 _PROSE_WORD = re.compile(r"[A-Za-z]{2,}")
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -100,8 +93,9 @@ def _check(prediction: str, gold: str) -> bool:
     return bool(verify(gold_parsed, prediction_parsed, timeout_seconds=_INNER_TIMEOUT_S))
 
 
-def _serve() -> None:
-    """Worker loop: one JSON `[prediction, gold]` per stdin line, one "1"/"0" per stdout line."""
+def prepare_worker() -> None:
+    """Setup of a math-verify worker (`copes.rewards.deadline`): cap its memory, import math-verify before it says
+    ready (so no check is timed on the import), quiet its per-timeout warnings."""
     import logging
 
     try:
@@ -110,82 +104,28 @@ def _serve() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEMORY_LIMIT_BYTES, _WORKER_MEMORY_LIMIT_BYTES))
     except (ImportError, ValueError, OSError):
         pass  # no POSIX rlimits here: the outer timeout still bounds the time
-    import math_verify  # noqa: F401  (import before announcing readiness, so checks are not timed on it)
+    import math_verify  # noqa: F401
 
     # math-verify logs every inner timeout as a warning; the False result already says it.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    # Replies go to a private copy of stdout; fd 1 itself now points at stderr, so a stray print from any
-    # library cannot corrupt the reply stream.
-    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    replies.write(_READY + "\n")
-    for line in sys.stdin:
-        prediction, gold = json.loads(line)
-        try:
-            correct = _check(prediction, gold)
-        except Exception:  # noqa: BLE001  (a malformed answer, MemoryError included, scores False)
-            correct = False
-        replies.write("1\n" if correct else "0\n")
+
+
+def check_in_worker(prediction: str, gold: str) -> bool:
+    """`_check`, a malformed answer (MemoryError included) scoring False."""
+    try:
+        return _check(prediction, gold)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Parent side.
 
 
-class _WorkerTimeout(Exception):
-    pass
-
-
-class _Worker:
-    """One worker process and a line reader on its stdout that honours a deadline."""
-
-    def __init__(self) -> None:
-        environment = dict(os.environ)
-        # The worker imports this module by name: make the package importable even when it is not installed.
-        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), environment.get("PYTHONPATH")]))
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "from copes.rewards.math import _serve; _serve()"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=environment,
-        )
-        self._buffer = b""
-        self._ready = False
-
-    def _read_line(self, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise _WorkerTimeout
-            readable, _, _ = select.select([self.process.stdout], [], [], remaining)
-            if readable:
-                chunk = os.read(self.process.stdout.fileno(), 65536)
-                if not chunk:
-                    raise EOFError(f"math-verify worker exited with code {self.process.wait()}")
-                self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line.decode()
-
-    def check(self, prediction: str, gold: str, timeout_s: float) -> bool:
-        if not self._ready:
-            try:
-                announced = self._read_line(_STARTUP_TIMEOUT_S)
-            except (_WorkerTimeout, EOFError) as error:
-                raise RuntimeError(f"the math-verify worker did not start (see its stderr above): {error!r}") from error
-            if announced != _READY:
-                raise RuntimeError(f"the math-verify worker sent {announced!r} instead of {_READY!r}")
-            self._ready = True
-        self.process.stdin.write((json.dumps([prediction, gold]) + "\n").encode())
-        self.process.stdin.flush()
-        return self._read_line(timeout_s) == "1"
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
-            stream.close()
+def _verifier() -> DeadlineWorker:
+    # Not abandoned after a timeout: a timeout here is one hostile answer, not a broken verifier.
+    return DeadlineWorker("copes.rewards.math:check_in_worker", setup="copes.rewards.math:prepare_worker",
+                          startup_timeout_s=_STARTUP_TIMEOUT_S)
 
 
 class MathVerifierPool:
@@ -199,23 +139,19 @@ class MathVerifierPool:
         check_installed("math_verify")  # the workers import it; a missing extra is one clear line here
         self.num_workers = num_workers
         self.timeout_s = timeout_s
-        self._idle: queue.Queue[_Worker] = queue.Queue()
-        self._all: set[_Worker] = set()
+        self._idle: queue.Queue[DeadlineWorker] = queue.Queue()
+        self._all: set[DeadlineWorker] = set()
         self._lock = threading.Lock()
         self._closed = False
         for _ in range(num_workers):
             self._add_worker()  # started now so that their imports overlap with the caller's own work
 
     def _add_worker(self) -> None:
-        worker = _Worker()
+        worker = _verifier()
+        worker.start()
         with self._lock:
             self._all.add(worker)
         self._idle.put(worker)
-
-    def _retire(self, worker: _Worker) -> None:
-        with self._lock:
-            self._all.discard(worker)
-        worker.close()
 
     def correct(self, prediction: str, gold: str, *, timeout_s: float | None = None) -> bool:
         """math-verify's verdict on `prediction` against `gold`; False on timeout or parse failure."""
@@ -226,19 +162,16 @@ class MathVerifierPool:
         if prediction.strip() == gold.strip():
             return True
         worker = self._idle.get()
-        healthy = False
         try:
-            result = worker.check(prediction, gold, self.timeout_s if timeout_s is None else timeout_s)
-            healthy = True
-        except (_WorkerTimeout, EOFError, BrokenPipeError):
-            result = False  # the worker hung or crashed on this input
+            return bool(worker.call(prediction, gold, timeout_s=self.timeout_s if timeout_s is None else timeout_s))
+        except (WorkerTimeout, WorkerRaised):
+            return False  # a hostile input (the worker hung and was replaced) or one math-verify cannot read
+        except WorkerDied as error:
+            raise RuntimeError(f"the math-verify worker did not start (see its stderr above): {error}") from None
         finally:
-            if healthy:
-                self._idle.put(worker)
-            else:  # its state is unknown (maybe mid-check): a fresh worker takes its place
-                self._retire(worker)
-                self._add_worker()
-        return result
+            if worker.process is None and not self._closed:
+                worker.start()  # replaced now, so the fresh worker's imports overlap with other checks
+            self._idle.put(worker)
 
     def correct_batch(
         self, predictions: Sequence[str], golds: Sequence[str], *, timeout_s: float | None = None

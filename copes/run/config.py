@@ -32,6 +32,7 @@ from copes.choices import (
 )
 from copes.errors import ConfigError
 
+DEFAULT_OUTPUT_DIR = "runs/copes"
 # Where each algorithm-specific option applies; an option set for any other algorithm is ignored (with a warning).
 # Options that fix a run's trajectory: a resumed run must share them with the journal it continues.
 RESUME_KEYS = ("model", "task", "task_options", "reward", "reward_weights", "algorithm", "population", "subspaces",
@@ -64,6 +65,9 @@ class TrainConfig:
                                  "f(completions, **columns) -> list[float | None]")
     reward_timeout_s: float = _opt(30.0, "seconds one call of a MODULE:FUNCTION reward may take; a call that runs "
                                          "longer (or raises) gives invalid rewards and one warning")
+    invalid_reward_steps: int = _opt(3, "stop the run after this many consecutive steps in which one reward function "
+                                        "was invalid for every row (it raised, hung or returned None/NaN); 0 never "
+                                        "stops")
     reward_weights: list[float] = _opt([], "one weight per --reward (default: 1 each); a completion's reward is the "
                                            "weighted sum")
     algorithm: str = _opt("copes", " | ".join(f"{a.name} ({a.help})" for a in ALGORITHM_TABLE), choices=ALGORITHMS)
@@ -133,7 +137,11 @@ class TrainConfig:
     eval_every: int = _opt(0, "steps between held-out evaluations during training (0: only before and after)")
     checkpoint_every: int = _opt(0, "steps between checkpoint exports (0: only at the end); "
                                     "resume needs only the journal")
-    output_dir: str = _opt("runs/copes", "where metrics, plots, summary and checkpoints go")
+    output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "where metrics, plots, summary and checkpoints go; a folder holding a "
+                                               "run is refused (the default one: the run moves to a fresh "
+                                               "numbered folder)")
+    overwrite: bool = _opt(False, "start a new run in --output-dir even though it holds one: the earlier run's "
+                                  "journal, metrics, samples, summary, plots and checkpoints are deleted first")
     budget_hours: float | None = _opt(None, "stop cleanly (checkpoint + summary) after this much wall time")
     dist_check_every: int = _opt(10, "with torchrun: steps between cross-rank weight checksum comparisons")
     dist_timeout_s: float = _opt(1800.0, "with torchrun: seconds a rank waits for the others before failing")
@@ -184,6 +192,8 @@ class TrainConfig:
         if self.antithetic and self.algorithm in PER_MEMBER_ALGORITHMS and (self.population // self.num_subspaces) % 2:
             raise ConfigError(f"--antithetic pairs the members of each subspace, but --population {self.population} "
                               f"gives {self.population // self.num_subspaces} per subspace (odd)")
+        if self.invalid_reward_steps < 0:
+            raise ConfigError(f"--invalid-reward-steps must be >= 0, got {self.invalid_reward_steps}")
         if not self.reward_timeout_s > 0:
             raise ConfigError(f"--reward-timeout-s must be > 0, got {self.reward_timeout_s}")
         if self.reward_weights and len(self.reward_weights) != len(self.reward):

@@ -7,8 +7,11 @@ step in progress are already journaled, the held-out evaluations so far, the new
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
+import sys
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,8 +22,8 @@ import torch
 
 from copes.errors import ConfigError
 from copes.run import checkpoint as ckpt
-from copes.run.config import TrainConfig
-from copes.run.journal import JournalWriter, RunJournal, build_header, journal_path
+from copes.run.config import DEFAULT_OUTPUT_DIR, TrainConfig
+from copes.run.journal import JOURNAL_NAME, JournalWriter, RunJournal, build_header, journal_path
 from copes.run.metrics import MetricsLog, log_table, plot_curves, start_wandb
 from copes.run.replay import resume_run
 from copes.run.samples import SAMPLES_FILE, RolloutSamples
@@ -35,6 +38,46 @@ def check_writable(folder: Path) -> None:
         probe.unlink()
     except OSError as error:
         raise ConfigError(f"output dir {folder} is not writable: {error.strerror or error}") from None
+
+
+# What a run writes into its output folder (the journal first: it alone makes a folder "hold a run" for resume).
+RUN_FILES = (JOURNAL_NAME, "metrics.jsonl", SAMPLES_FILE, "summary.json", "curve.png", "checkpoints", "tensorboard")
+
+
+def occupied_error(out: Path) -> ConfigError:
+    return ConfigError(f"{out} holds a run already: continue it with --resume {out}, start a new one with "
+                       "--output-dir NEW_DIR, or replace it with --overwrite")
+
+
+def holds_run(folder: Path) -> bool:
+    return any((folder / name).exists() for name in RUN_FILES)
+
+
+def claim_output_dir(cfg: TrainConfig, *, resuming: bool, may_move: bool = True) -> TrainConfig:
+    """The config of a run about to start, its output folder made safe: no run destroys another. A fresh run into a
+    folder holding one is refused in one line, except that the default folder moves on to the first free
+    `runs/copes-N` (said on stderr; `may_move=False` where ranks could not agree on one) and that `--overwrite`
+    deletes the earlier run's files first. A resume continues its own folder."""
+    out = Path(cfg.output_dir)
+    if resuming or not holds_run(out):
+        return cfg
+    if cfg.overwrite:
+        for name in RUN_FILES:
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        print(f"note: --overwrite: deleted the earlier run in {out}", file=sys.stderr, flush=True)
+        return cfg
+    if may_move and cfg.output_dir == DEFAULT_OUTPUT_DIR:
+        number = 2
+        while holds_run(fresh := Path(f"{DEFAULT_OUTPUT_DIR}-{number}")):
+            number += 1
+        print(f"note: {out} holds an earlier run; this run writes to {fresh} (--resume {out} continues that one, "
+              "--output-dir chooses the folder)", file=sys.stderr, flush=True)
+        return dataclasses.replace(cfg, output_dir=str(fresh))
+    raise occupied_error(out)
 
 
 @dataclass
@@ -59,6 +102,8 @@ class RunRecord:
         run_id = share(uuid.uuid4().hex)
         writer = None
         if self.writer:
+            if journal_path(self.out).exists() and not self.cfg.overwrite:  # a caller that skipped claim_output_dir
+                raise occupied_error(self.out)
             header = build_header(self.cfg, model, strategy, model_path, run_id=run_id)
             writer = JournalWriter.create(journal_path(self.out), header)
         self.journal = RunJournal(run_id, writer)

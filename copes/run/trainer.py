@@ -6,6 +6,7 @@ fits on one screen.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from contextlib import nullcontext
@@ -16,10 +17,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from copes.errors import ConfigError
+from copes.errors import ConfigError, UserError
 from copes.es.strategies.base import WHOLE_POPULATION, StepStats
 from copes.failpoints import failpoint
 from copes.modeling import resolve_model_path
+from copes.rewards.functions import RewardSet, RewardStepStats
 from copes.rollout.engine import load_rollout_model
 from copes.run.budget import Budget, BudgetSpent
 from copes.run.components import (
@@ -47,10 +49,16 @@ from copes.run.distributed import (
 from copes.run.evaluation import evaluate, merge_results
 from copes.run.metrics import PhaseTimer, import_wandb, peak_memory_bytes, progress_bar, zero_update_warning
 from copes.run.plan import check_plan
-from copes.run.record import RunRecord
+from copes.run.record import RunRecord, claim_output_dir
 from copes.run.replay import replay_member, replays_members
 from copes.run.scoring import MemberScoring, roll_out, rollouts
 from copes.tasks import Example
+
+
+def reward_set_of(task: Any) -> RewardSet | None:
+    """The reward functions scoring `task` (`--reward`, a file task), or None for a task's own scoring."""
+    rewards = getattr(task, "rewards", None)
+    return rewards if isinstance(rewards, RewardSet) else None
 
 
 @dataclass
@@ -91,6 +99,8 @@ class Trainer:
         self.agent = build_agent(cfg, self.task, rows=cfg.rollout_batch or self.plan.batch_size)
         self.strategy = build_strategy(cfg, self.model)
         self.start_step, self.budget = 0, Budget(cfg.budget_hours)  # the budget restarts with train()
+        self.invalid_streaks: dict[str, int] = {}  # reward label -> steps in a row invalid for every row
+        self.last_reward_errors: dict[str, str | None] = {}
 
     # ---- one step ------------------------------------------------------------------------------------------
     def population_step(self, step: int, examples: list[Example]) -> StepStats:
@@ -98,6 +108,8 @@ class Trainer:
         (all of them in one process), the rewards are gathered, and every rank applies the same update."""
         if self.record.journal is None:  # a caller driving steps itself (bench/step_overhead.py) journals them too
             self.record.start_journal(self.model, self.strategy, resolve_model_path(self.cfg.model), self.share)
+        if (rewards := reward_set_of(self.task)) is not None:
+            rewards.new_step()  # this step's per-reward statistics; abandoned (hung) rewards are called again
         mine = members_for_rank(self.cfg.population, *((self.dist.rank, self.dist.world_size) if self.dist else (0, 1)))
         sampling = self.record.samples is not None and self.record.samples.due(step + 1)
         rewards = self.score_members(step + 1, mine, examples, sampling)
@@ -191,6 +203,30 @@ class Trainer:
                               agent=self.agent, timer=self.timer, members=members, row_members=row_members)
         self.record.samples.add(members, per_member)
 
+    def reward_means(self, step: int) -> dict[str, float | None]:
+        """`rewards/<label>/mean` of each reward function over this step's rows (valid values only; None when none
+        was valid), as TRL logs them. Counts the steps in a row where a function was invalid for every row."""
+        rewards = reward_set_of(self.task)
+        if rewards is None:
+            return {}
+        per_rank = gather_values(rewards.step_stats, step) if self.dist else [rewards.step_stats]
+        merged = {label: functools.reduce(RewardStepStats.merged, (stats[label] for stats in per_rank))
+                  for label in rewards.labels}
+        for label, stats in merged.items():
+            all_invalid = stats.rows > 0 and not stats.valid
+            self.invalid_streaks[label] = self.invalid_streaks.get(label, 0) + 1 if all_invalid else 0
+            self.last_reward_errors[label] = stats.last_error
+        return {f"rewards/{label}/mean": stats.mean for label, stats in merged.items()}
+
+    def stop_on_invalid_rewards(self) -> None:
+        """One line and a non-zero exit once a reward was invalid for every row `invalid_reward_steps` steps running
+        (the steps so far are journaled: the run can be resumed once the reward is fixed)."""
+        limit = self.cfg.invalid_reward_steps
+        for label, streak in self.invalid_streaks.items():
+            if limit and streak >= limit:
+                raise UserError(f"reward {label} was invalid for every row in {streak} consecutive steps (last: "
+                                f"{self.last_reward_errors[label]}); stopping (--invalid-reward-steps 0 never stops)")
+
     # ---- around the steps ------------------------------------------------------------------------------------
     def held_out(self, step: int, final: bool = False) -> dict[str, Any]:
         """The held-out evaluation, each rank rolling out its contiguous share of the questions (merged in rank
@@ -241,6 +277,9 @@ class Trainer:
         if record.eval_before is None:
             with self.budget.reserve_as_long_as():
                 record.record_eval_before(self.held_out(step=0))
+            if self.is_main and record.eval_before["accuracy"] is not None:  # said now, not only with the result
+                tqdm.write(f"held-out accuracy before training: {100 * record.eval_before['accuracy']:.1f}% "
+                           f"({record.eval_before['questions']} questions)", file=sys.stderr)
         stopped_by, step = "steps", self.start_step
         bar = progress_bar(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}",
                            initial=self.start_step, total=cfg.steps, enabled=self.progress and self.is_main)
@@ -258,10 +297,12 @@ class Trainer:
                 self.timer.add(phase, seconds)
             metrics = {"step": step + 1,
                        **{k: v for k, v in asdict(stats).items() if not k.endswith("_seconds") and k != "step"},
+                       **self.reward_means(step + 1),
                        "time": {k: round(v - phase_before.get(k, 0.0), 4) for k, v in self.timer.seconds.items()}}
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 metrics["eval"] = self.held_out(step + 1)
             record.record_step(step + 1, metrics)
+            self.stop_on_invalid_rewards()  # every rank holds the same gathered statistics: all stop together
             bar.set_postfix(reward=f"{stats.mean_reward:.3f}", best=f"{stats.max_reward:.3f}")
             if self.dist and (step + 1) % cfg.dist_check_every == 0:
                 check_in_sync(self.model, step + 1)
@@ -308,7 +349,7 @@ def train(config: TrainConfig | dict[str, Any], *, task: Any = None, reward: Any
     layer = {**(config.to_dict() if isinstance(config, TrainConfig) else config),
              **({"task": task} if task is not None else {}), **({"reward": reward} if reward is not None else {})}
     plain, given = split_given(layer)
-    trainer = Trainer(build_config(plain), progress=progress, given=given)
+    trainer = Trainer(claim_output_dir(build_config(plain), resuming=bool(resume)), progress=progress, given=given)
     if resume:
         trainer.resume(resume)
     return trainer.train()

@@ -20,7 +20,7 @@ from copes.tasks import get_task
 from copes.tasks.base import Example
 from copes.tasks.countdown import FORMAT_CREDIT
 
-from helpers.datadir import DATA_DIR
+from helpers.datadir import DATA_DIR, FULL_DATA
 
 DATA = DATA_DIR
 PAIRS_PER_DATASET = 12
@@ -144,7 +144,7 @@ def test_a_qa_hedge_never_beats_a_guess(qa_gold_pairs: list[tuple[str, str]], op
             hedge = form.format(a=a, b=b)
             if _expected(task, hedge, a, b) > best_guess:
                 beaten.append(hedge)
-    assert len(qa_gold_pairs) > 80
+    assert len(qa_gold_pairs) > (80 if FULL_DATA else 60)  # the slices hold 15 HotpotQA dev rows, not 300
     assert not beaten, f"{len(beaten)} hedges beat the best guess, e.g. {beaten[:3]}"
 
 
@@ -171,7 +171,7 @@ def test_yes_and_no_together_are_wrong_on_every_yes_no_question(
     hotpotqa_dev: list[Example], hedge: str, normalization: str
 ) -> None:
     binary = [example for example in hotpotqa_dev if example.golds[0].lower() in ("yes", "no")]
-    assert len(binary) == 19
+    assert len(binary) == (19 if FULL_DATA else 3)
     for example in binary:
         assert qa_scores(hedge, example.golds, normalization) == {"em": 0.0, "f1": 0.0, "acc": 0.0}
         assert all(qa_reward(hedge, example.golds, metric, normalization) == 0.0 for metric in ("em", "f1"))

@@ -12,7 +12,7 @@ import pytest
 from copes.rewards import extract_answer, format_reward, last_boxed, math_correct, math_correct_batch, tool_bonus
 from copes.rewards.math import MathVerifierPool
 
-from helpers.datadir import DATA_DIR, needs_data
+from helpers.datadir import DATA_DIR
 
 GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
 
@@ -123,15 +123,17 @@ def test_math_correct_from_threads() -> None:
 
 
 def test_hostile_input_times_out_and_the_pool_recovers() -> None:
+    """The recovery check has a generous deadline of its own: on a loaded machine the fresh worker's first check
+    once outlived the 1 s one (issue #37: this test failed under load and passed alone)."""
     pool = MathVerifierPool(num_workers=1, timeout_s=1.0)
     try:
-        assert pool.correct("1", "1.0") is True  # waits for the worker's imports, so they are not timed below
+        assert pool.correct("1", "1.0", timeout_s=60) is True  # waits for the worker's imports, not timed below
         # 9^(9^(9^9)) keeps sympy busy until math-verify's own 3 s alarm; the 1 s outer timeout cuts it first,
-        # which retires the worker (after the alarm it would answer and stay).
-        workers = set(pool._all)
+        # which kills the worker's process (after the alarm it would answer and stay).
+        processes = {worker.process.pid for worker in pool._all}
         assert pool.correct("9^{9^{9^{9}}}", "1") is False
-        assert workers.isdisjoint(pool._all), "the outer timeout did not fire"
-        assert pool.correct("\\frac{1}{4}", "0.25") is True  # the killed worker was replaced
+        assert processes.isdisjoint(worker.process.pid for worker in pool._all), "the outer timeout did not fire"
+        assert pool.correct("\\frac{1}{4}", "0.25", timeout_s=60) is True  # a fresh process replaced the killed one
     finally:
         pool.close()
 
@@ -152,7 +154,6 @@ def _gsm8k_final_answer(text: str) -> str:
     return answers[-1].strip() if answers else ""
 
 
-@needs_data
 def test_gsm8k_model_solutions_agree_with_labels() -> None:
     rows = _read_jsonl(DATA_DIR / "math" / "gsm8k_model_solutions.jsonl")
     predictions, golds, labels = [], [], []
@@ -165,11 +166,10 @@ def test_gsm8k_model_solutions_agree_with_labels() -> None:
     verdicts = math_correct_batch(predictions, golds)
     agreement = sum(v == label for v, label in zip(verdicts, labels)) / len(labels)
     print(f"gsm8k model solutions: agreement {agreement:.4%} on {len(labels)} solutions")
-    assert len(labels) == 4 * 1319
+    assert len(labels) == 4 * len(rows)
     assert agreement >= 0.99
 
 
-@needs_data
 def test_math500_gold_solutions_match_their_own_answers() -> None:
     rows = _read_jsonl(DATA_DIR / "math" / "math500_test.jsonl")
     # The whole solution text goes to math-verify (no extraction), so the check is not a string comparison.
@@ -179,7 +179,6 @@ def test_math500_gold_solutions_match_their_own_answers() -> None:
     assert not failures
 
 
-@needs_data
 def test_math500_answers_rarely_match_another_problem() -> None:
     rows = _read_jsonl(DATA_DIR / "math" / "math500_test.jsonl")
     # Pair each problem's extracted answer with its neighbour's gold answer.

@@ -109,6 +109,8 @@ def test_a_jsonl_file_with_its_own_fields_trains_with_a_user_reward(reference):
     records = metrics_without_time(reference)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["num_invalid_rewards"] == 0 for r in records)
+    # TRL's per-reward breakdown, from the trainer's metrics (issue #37): the mean over the step's every row
+    assert all(r["rewards/user_rewards:level_and_exact/mean"] >= 100 for r in records)
     contents = read_journal(reference)
     rewards = [value for step in contents.members.values() for member in step.values() for value in member.tolist()]
     assert len(rewards) == 2 * 4 * 8  # steps x population x questions
@@ -154,11 +156,20 @@ def test_a_resume_after_editing_the_reward_module_is_refused_in_one_line(project
 
 
 @pytest.mark.integration
-def test_a_reward_that_raises_is_invalid_rewards_and_one_warning(project):
-    result = _ok(_run(project, *STEPS, *FILE_TASK, "--reward", "user_rewards:broken", "--output-dir", "broken"))
-    warnings = [line for line in result.stderr.splitlines() if "reward user_rewards:broken" in line]
+def test_a_reward_that_raises_is_invalid_rewards_one_warning_and_then_stops_the_run(project):
+    """Guards (issue #37): a reward that failed on every call never stopped the run (exit 0, 0% -> 0%). It now
+    stops after --invalid-reward-steps steps, non-zero, naming the reward as the user gave it and its last error."""
+    result = _run(project, "--steps", "4", *FILE_TASK, "--reward", "user_rewards:broken", "--invalid-reward-steps",
+                  "2", "--eval-size", "0", "--output-dir", "broken")
+    assert result.returncode == 2, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: reward user_rewards:broken")]
     assert len(warnings) == 1 and "ValueError: no reward today" in warnings[0]
-    assert all(r["num_invalid_rewards"] == 4 * 8 for r in metrics_without_time(project / "broken"))
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: reward user_rewards:broken was invalid for every row in 2 consecutive steps (last: raised "
+        "ValueError: no reward today); stopping (--invalid-reward-steps 0 never stops)")
+    records = metrics_without_time(project / "broken")
+    assert [r["step"] for r in records] == [1, 2] and all(r["num_invalid_rewards"] == 4 * 8 for r in records)
+    assert all(r["rewards/user_rewards:broken/mean"] is None for r in records)
 
 
 @pytest.mark.integration
@@ -241,10 +252,16 @@ def _raises_on_marker(completions, **kwargs):
 
 
 def test_worker_rewards_survive_exceptions_and_hangs_with_one_warning(capsys):
+    """A hung reward is abandoned for the rest of the step after its first timeout (issue #37: it cost the full
+    timeout on every call, about 20 minutes per step at the defaults), and serves again from the next step."""
     rewards = RewardSet([("marker", WorkerReward(_raises_on_marker, timeout_s=1.0))])
     assert rewards.score(["ab", "c"], ["", ""], [{}, {}])[0] == [2.0, 1.0]
     assert all(math.isnan(v) for v in rewards.score(["boom"], [""], [{}])[0])
     assert all(math.isnan(v) for v in rewards.score(["hang"], [""], [{}])[0])
+    started = time.monotonic()
+    assert all(math.isnan(v) for v in rewards.score(["abc"], [""], [{}])[0])  # abandoned: no second timeout
+    assert time.monotonic() - started < 0.5
+    rewards.new_step()
     assert rewards.score(["abc"], [""], [{}])[0] == [3.0]  # a fresh worker after the hung one was killed
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: reward marker")]
     assert len(warnings) == 1 and "RuntimeError: boom" in warnings[0]

@@ -25,7 +25,7 @@ from copes.tools import (
     tool_schema,
 )
 
-from helpers.datadir import DATA_DIR
+from helpers.datadir import DATA_DIR, FULL_DATA
 
 DATA = DATA_DIR
 QA_DATA = DATA / "qa"
@@ -78,7 +78,9 @@ def test_corpus_has_one_passage_per_distinct_paragraph(corpus_path: Path) -> Non
         for title, sentences in zip(row["context"]["title"], row["context"]["sentences"])
     }
     passages = load_corpus(corpus_path)
-    assert len(passages) == len(distinct) < sum(len(row["context"]["title"]) for row in rows)
+    assert len(passages) == len(distinct)
+    if FULL_DATA:  # the full sets repeat paragraphs across questions; the repository's few-row slices do not
+        assert len(distinct) < sum(len(row["context"]["title"]) for row in rows)
     assert {(p.title, p.text) for p in passages} == distinct
     assert len({p.id for p in passages}) == len(passages)
     tinted = next(p for p in passages if p.title == "Tinted Windows (band)")
@@ -103,7 +105,7 @@ def test_original_list_of_pairs_layout_gives_the_same_corpus(tmp_path: Path) -> 
                          "".join(json.dumps(row) + "\n" for row in hub_rows * 2))
     corpus_original = _hotpotqa_corpus(original, tmp_path / "a", ("validation",))
     corpus_hub = _hotpotqa_corpus(hub, tmp_path / "b", ("validation",))
-    assert len(load_corpus(corpus_original)) == len(load_corpus(corpus_hub)) > 150
+    assert len(load_corpus(corpus_original)) == len(load_corpus(corpus_hub)) > 8 * len(hub_rows)
     assert corpus_original.read_text() == corpus_hub.read_text()
 
 
