@@ -280,8 +280,9 @@ class MemoryPlan:
         rows += [(line.what, line.bytes, line.note) for line in self.fixed]
         rows += [("update transients (not during rollouts)", None, "")]
         rows += [(line.what, line.bytes, line.note) for line in self.update]
-        rows += [(f"per row of a generate call ({self.rollout.context_tokens} tokens of context)", None, "")]
-        rows += [(line.what, line.bytes, line.note) for line in self.per_row]
+        if self.per_row:  # none on vLLM, whose pool holds every row's state
+            rows += [(f"per row of a generate call ({self.rollout.context_tokens} tokens of context)", None, "")]
+            rows += [(line.what, line.bytes, line.note) for line in self.per_row]
         if self.per_call:
             rows += [("once per generate call", None, "")]
             rows += [(line.what, line.bytes, line.note) for line in self.per_call]

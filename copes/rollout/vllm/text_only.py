@@ -75,13 +75,16 @@ def text_only_class(architecture: str) -> type:
 
 def text_only_options(config: Any) -> dict[str, Any]:
     """vLLM LLM(...) options that load a Qwen3.5 checkpoint of `config` (wrapper or text-only) as the text-only
-    class registered here ({} for any other model)."""
+    class registered here ({} for any other model, or a vLLM without that class: the wrapper then loads its
+    language model only)."""
     architecture = next(iter(getattr(config, "architectures", None) or []), None)
     if architecture not in TEXT_ONLY_CLASSES:
         return {}
     from vllm import ModelRegistry
 
     text_architecture = TEXT_ONLY_CLASSES[architecture]
+    if text_architecture not in ModelRegistry.get_supported_archs():  # a vLLM before its native text-only class
+        return {}
     ModelRegistry.register_model(text_architecture, text_only_class(architecture))
     # The wrapper's own tie decides (transformers ties a wrapper's lm_head by its top-level flag).
     tied = bool(getattr(config, "tie_word_embeddings", False))

@@ -252,6 +252,23 @@ def test_member_adapters_reach_every_target_and_change_the_logits(wrapper_with_l
     assert {name.removeprefix("base_model.model.").rsplit(".", 2)[0] for name in stored} <= engine.lora_targets.lookups
 
 
+def test_an_adapter_module_no_lora_layer_reads_is_an_error(wrapper_with_lora) -> None:
+    """Guards vLLM dropping unmatched adapter modules silently: a member whose adapter names a module vLLM's LoRA
+    does not look up (here the untied lm_head, left in the targets) is refused in one line, not run as the base."""
+    from copes.es.strategies import EGGROLL
+
+    views, _, _ = wrapper_with_lora
+    with_head = EGGROLL(views, population=3, sigma=0.5, rank=2, seed=4)
+
+    def fitness(model: torch.nn.Module, row_members: object) -> torch.Tensor:
+        with row_members(torch.tensor([0, 1, 2])) as routing:
+            engine_for(views).adapters.requests(routing, 3)
+        return torch.zeros(3)
+
+    with pytest.raises(UserError, match=r"^member 0's LoRA adapter names 1 modules no vLLM LoRA layer reads \(lm_head"):
+        with_head.evaluate(fitness)
+
+
 @pytest.mark.integration
 def test_copes_run_eggroll_on_a_wrapper_checkpoint_perturbs_its_members(tmp_path: Path) -> None:
     """Guards the wrapper form end to end: `copes-run --algorithm eggroll --rollout-engine vllm` (a subprocess, as the
