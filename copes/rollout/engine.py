@@ -49,7 +49,7 @@ def engine_for(model: Any) -> RolloutEngine:
 
 def load_rollout_model(
     model: str, *, engine: str = "hf", device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
-    kv_cache_gib: float = 1.0, max_context_tokens: int | None = None, vllm_cpu_weights: str = "packed",
+    kv_cache_gib: float | None = None, max_context_tokens: int | None = None, vllm_cpu_weights: str = "packed",
     lora: LoRASlots | None = None,
 ) -> tuple[torch.nn.Module, Any, torch.device]:
     """(model, tokenizer, device) as `load_model` gives them; with engine="vllm" the model's parameters are views

@@ -3,7 +3,6 @@ agent's settings and its tools."""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -42,49 +41,31 @@ def build_strategy(cfg: TrainConfig, model: Any) -> Strategy:
         common["num_subspaces"] = cfg.num_subspaces
     if algorithm.low_rank:
         common["rank"] = cfg.rank
-    on_lora = algorithm.low_rank and cfg.rollout_engine == "vllm"
-    if on_lora:
-        common["exclude"] = [*cfg.exclude, *_tied_embeddings(cfg, model)] or None
+    lora_targets = _lora_targets(cfg, model)
+    if algorithm.low_rank and cfg.rollout_engine == "vllm":  # decided from the model alone: replay on HF agrees
+        from copes.rollout.vllm.lora import tied_embeddings
+
+        tied = tied_embeddings(model, cfg.algorithm, notice=lora_targets is not None)
+        common["exclude"] = [*cfg.exclude, *tied] or None
     try:
         strategy = getattr(strategies, algorithm.strategy)(model, **common)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if on_lora:
-        _check_lora_reach(cfg, model, strategy)
+    if lora_targets is not None:
+        from copes.rollout.vllm.lora import check_lora_reach
+
+        check_lora_reach(lora_targets, strategy.matrices, cfg.algorithm)
     return strategy
 
 
-def _tied_embeddings(cfg: TrainConfig, model: Any) -> list[str]:
-    """The linear weights an nn.Embedding also reads (a tied lm_head), which a LoRA adapter cannot carry: left out
-    of a low-rank strategy's targets on vLLM, with one notice. Decided from the model alone, so copes-replay (on HF)
-    leaves out the same (copes.rollout.vllm.lora)."""
-    from torch import nn
-
-    read_by = {kind: {id(m.weight) for m in model.modules() if type(m) is kind} for kind in (nn.Linear, nn.Embedding)}
-    tied = [name for name, param in model.named_parameters() if id(param) in read_by[nn.Linear] & read_by[nn.Embedding]]
-    if tied and os.environ.get("RANK", "0") == "0" and _serves_lora(model):  # once: rank 0, in the run
-        print(f"notice: {cfg.algorithm} on vLLM leaves {', '.join(tied)} unperturbed (a LoRA adapter cannot carry a "
-              "tied embedding); --exclude it for the same targets on --rollout-engine hf", file=sys.stderr)
-    return tied
-
-
-def _serves_lora(model: Any) -> bool:
+def _lora_targets(cfg: TrainConfig, model: Any) -> Any:
+    """The vLLM engine's LoRA targets (copes.rollout.vllm.lora.LoRATargets) when a low-rank run's members ride as
+    adapters; None otherwise (an HF model: copes-replay of a vLLM run)."""
+    if not (ALGORITHMS_BY_NAME[cfg.algorithm].low_rank and cfg.rollout_engine == "vllm"):
+        return None
     from copes.rollout.engine import engine_for
 
-    return hasattr(engine_for(model), "lora_unreachable")
-
-
-def _check_lora_reach(cfg: TrainConfig, model: Any, strategy: Any) -> None:
-    """One line naming the targets read by a linear that the vLLM engine's LoRA does not reach."""
-    from copes.rollout.engine import engine_for
-
-    engine = engine_for(model)
-    if not hasattr(engine, "lora_unreachable"):  # an HF model (copes-replay of a vLLM run): nothing to reach
-        return
-    unreachable = engine.lora_unreachable({m.param.name: [name for name, _ in m.linears] for m in strategy.matrices})
-    if unreachable:
-        raise ConfigError(f"vLLM's LoRA layers do not reach {', '.join(unreachable)}: --exclude them for "
-                          f"{cfg.algorithm} on --rollout-engine vllm")
+    return getattr(engine_for(model), "lora_targets", None)
 
 
 def rollout_lora(cfg: TrainConfig, ranks: int) -> LoRASlots | None:

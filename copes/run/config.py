@@ -116,7 +116,8 @@ class TrainConfig:
     rollout_engine: str = _opt("hf", "what generates rollouts: hf (Hugging Face generate, the reference) | vllm (the "
                                      "weights live in a vLLM engine and are perturbed in place there; pip install "
                                      "-e '.[vllm]')", choices=ROLLOUT_ENGINES)
-    vllm_kv_cache_gib: float = _opt(1.0, "with --rollout-engine vllm: the engine's KV cache size in GiB")
+    vllm_kv_cache_gib: float | None = _opt(None, "with --rollout-engine vllm: the engine's KV cache size in GiB "
+                                                 "(default: on CUDA what the memory plan leaves, on CPU 1)")
     vllm_cpu_weights: str = _opt("packed", "with --rollout-engine vllm on CPU: packed (each linear layer also keeps "
                                            "vLLM's oneDNN-packed copy, rebuilt before the next generation after "
                                            "each weight change: faster GEMMs for twice the linear weights' memory "
@@ -174,7 +175,7 @@ class TrainConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.rollout_batch is not None and self.rollout_batch < 1:
             raise ConfigError(f"--rollout-batch must be >= 1, got {self.rollout_batch}")
-        if not self.vllm_kv_cache_gib > 0:
+        if self.vllm_kv_cache_gib is not None and not self.vllm_kv_cache_gib > 0:
             raise ConfigError(f"--vllm-kv-cache-gib must be > 0, got {self.vllm_kv_cache_gib}")
         if self.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {self.workers}")

@@ -260,6 +260,11 @@ class MemoryPlan:
         return self.fixed_bytes + max(self.update_bytes, self.rollout_bytes(rows))
 
     @property
+    def vllm_kv_cache_gib(self) -> float | None:
+        """The vLLM engine's KV pool in GiB (None without vLLM): what the run starts vLLM with."""
+        return next((line.bytes / GIB for line in self.fixed if line.what == "vLLM KV cache"), None)
+
+    @property
     def fits(self) -> bool:
         return self.rows >= 1 and self.peak_bytes() <= self.usable_bytes
 
@@ -275,8 +280,9 @@ class MemoryPlan:
         rows += [(line.what, line.bytes, line.note) for line in self.fixed]
         rows += [("update transients (not during rollouts)", None, "")]
         rows += [(line.what, line.bytes, line.note) for line in self.update]
-        rows += [(f"per row of a generate call ({self.rollout.context_tokens} tokens of context)", None, "")]
-        rows += [(line.what, line.bytes, line.note) for line in self.per_row]
+        if self.per_row:  # none on vLLM, whose pool holds every row's state
+            rows += [(f"per row of a generate call ({self.rollout.context_tokens} tokens of context)", None, "")]
+            rows += [(line.what, line.bytes, line.note) for line in self.per_row]
         if self.per_call:
             rows += [("once per generate call", None, "")]
             rows += [(line.what, line.bytes, line.note) for line in self.per_call]
@@ -417,21 +423,63 @@ def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None,
     rollout = rollout_shape(cfg, uses_tools, prefill_chunk_tokens if chunked else None)
     per_row, per_call, kind = _rollout_lines(shape, rollout, s)
     fixed = _fixed_lines(cfg, shape, s)
-    if cfg.rollout_engine == "vllm":  # vLLM pages its own KV cache, of a fixed size, and masks nothing
-        per_row = [line for line in per_row if line.what not in ("KV cache", "attention mask")]
-        fixed.append(PlanLine("vLLM KV cache", int(cfg.vllm_kv_cache_gib * GIB), "--vllm-kv-cache-gib"))
-        if device == "cpu" and cfg.vllm_cpu_weights == "packed":
-            fixed.append(PlanLine("packed linear weights", shape.parameters * s, "oneDNN copies (at most the weights)"))
+    if cfg.rollout_engine == "vllm":
+        per_row, per_call = [], _vllm_step_lines(shape, s, cfg.prompt_batch)
     size, source = card_bytes(cfg)
     plan = MemoryPlan(device, size, source, dtype, shape, rollout, fixed,
                       _update_lines(cfg, shape, s), per_row, per_call, rows=0, rows_wanted=cfg.prompt_batch,
                       activation_kind=kind)
+    if cfg.rollout_engine == "vllm":
+        _plan_vllm(cfg, plan, device)
+        return plan
     room = plan.usable_bytes - plan.fixed_bytes
     rows_fit = max((room - plan.call_bytes) // plan.row_bytes, 0) if room > plan.update_bytes else 0
     plan.rows = cfg.rollout_batch if cfg.rollout_batch is not None else min(int(rows_fit), cfg.prompt_batch)
     if not plan.fits:
         plan.advice = _advice(cfg, plan, int(rows_fit))
     return plan
+
+
+# ---------------------------------------------------------------- the vLLM engine's own footprint
+
+
+def _vllm_step_lines(shape: ModelShape, s: int, rows: int) -> list[PlanLine]:
+    """One vLLM scheduler step, whatever the rows: chunked prefill and decode share a budget of STEP_TOKENS tokens
+    (one decoder layer's transients over them) and the fp32 logits, scores and probabilities of at most STEP_ROWS
+    rows. Each row's KV and gated delta-net state live in vLLM's paged pool, a fixed line."""
+    from copes.rollout.vllm import STEP_ROWS, STEP_TOKENS
+
+    per_token = max(layer_activation_bytes_per_token(shape, s).values())
+    decoding = min(rows, STEP_ROWS)
+    return [PlanLine("step activations", per_token * STEP_TOKENS, f"{STEP_TOKENS} tokens x {per_token:,} B"),
+            PlanLine("step logits", decoding * shape.vocab * 4 * 3, f"{decoding} rows x fp32 logits, scores, probs")]
+
+
+def _plan_vllm(cfg: TrainConfig, plan: MemoryPlan, device: str) -> None:
+    """vLLM planned by its own footprint: the weights (and on CPU the packed copies), one scheduler step and a KV
+    pool that holds every row's KV and delta-net state. vLLM queues the rows its pool cannot hold yet, so rows are
+    not capped: every row of the prompt batch goes to one generate call. The pool is --vllm-kv-cache-gib, or on
+    CUDA what the card leaves after the rest (DEFAULT_KV_CACHE_GIB on CPU, where the rest is the host's)."""
+    from copes.rollout.vllm import DEFAULT_KV_CACHE_GIB
+
+    if device == "cpu" and cfg.vllm_cpu_weights == "packed":
+        plan.fixed.append(PlanLine("packed linear weights", plan.shape.parameters * BYTES[plan.dtype],
+                                   "oneDNN copies (at most the weights)"))
+    if cfg.vllm_kv_cache_gib is not None:
+        kv, note = int(cfg.vllm_kv_cache_gib * GIB), "--vllm-kv-cache-gib"
+    elif device.startswith("cuda"):
+        kv = max(plan.usable_bytes - plan.fixed_bytes - max(plan.update_bytes, plan.call_bytes), 0)
+        kv, note = kv // (1 << 20) * (1 << 20), "what the card leaves (no --vllm-kv-cache-gib)"
+    else:
+        kv, note = int(DEFAULT_KV_CACHE_GIB * GIB), "the default (no --vllm-kv-cache-gib)"
+    plan.fixed.append(PlanLine("vLLM KV cache", kv, note))
+    rows = cfg.rollout_batch if cfg.rollout_batch is not None else plan.rows_wanted
+    plan.rows = rows if kv else 0  # no pool, no row
+    if not plan.fits:
+        over = plan.peak_bytes() - plan.usable_bytes
+        lower = "lower --vllm-kv-cache-gib or " if cfg.vllm_kv_cache_gib is not None else ""
+        plan.advice = f"vLLM needs {_gib(max(over, 0))} more than the {_gib(plan.usable_bytes)} usable: {lower}" \
+                      "use a larger device"
 
 
 def _task_uses_tools(cfg: TrainConfig) -> bool:

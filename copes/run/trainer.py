@@ -88,7 +88,7 @@ class Trainer:
         self.plan = check_plan(cfg, device=device, uses_tools=cfg.tools and self.task.chat, say=lambda line: None)
         self.model, self.tokenizer, self.device = load_rollout_model(
             cfg.model, engine=cfg.rollout_engine, device=device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
-            kv_cache_gib=cfg.vllm_kv_cache_gib, max_context_tokens=cfg.max_context_tokens,
+            kv_cache_gib=self.plan.vllm_kv_cache_gib, max_context_tokens=cfg.max_context_tokens,
             vllm_cpu_weights=cfg.vllm_cpu_weights,
             lora=rollout_lora(cfg, self.dist.world_size if self.dist else 1))
         if self.is_main:

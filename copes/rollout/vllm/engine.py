@@ -37,6 +37,7 @@ before that and puts the real function back after, so `--cpu-threads` keeps work
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import sys
@@ -53,8 +54,10 @@ from copes.errors import UserError
 from copes.extras import require
 from copes.modeling import resolve_device, resolve_dtype, resolve_model_path
 from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids, row_limits
-from copes.rollout.vllm.lora import LoRASlots, MemberAdapters, lora_reach
-from copes.rollout.vllm.views import bind_views, checkpoint_tensors, trace_checkpoint
+from copes.rollout.vllm import DEFAULT_KV_CACHE_GIB, STEP_ROWS, STEP_TOKENS
+from copes.rollout.vllm.lora import LoRASlots, LoRATargets, MemberAdapters
+from copes.rollout.vllm.text_only import text_only_options
+from copes.rollout.vllm.views import bind_views, checkpoint_tensors, engine_holders, trace_checkpoint
 from copes.rollout.vllm.worker import (
     WORKER_EXTENSION,
     PackedConvWeights,
@@ -62,12 +65,15 @@ from copes.rollout.vllm.worker import (
     keep_plain_linear_weights,
 )
 
-# The engine in this process (always: out of process the views would be copies that perturb nothing), and a
-# compile cache that cannot outlive the linear-layer patch.
+# The engine in this process (always: out of process the views would be copies that perturb nothing).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
 
 GIB = 1 << 30
+# The largest share of the card vLLM's start-up check may ask to be free: its default, when the card is that free.
+DEFAULT_GPU_SHARE = 0.9
+# The LoRA canary (VLLMEngine.lora_canary): a prompt past the lengths where vLLM LoRA bugs show; top tokens compared.
+CANARY_PROMPT_TOKENS = 512
+CANARY_TOP = 20
 
 
 def _plan_line(max_model_len: int, model_len: int | None, kv_cache_gib: float, max_context_tokens: int | None) -> str:
@@ -151,21 +157,81 @@ def _kv_cache_error(error: ValueError, kv_cache_gib: float) -> UserError | None:
                      f"({str(error).splitlines()[0]})")
 
 
+def _single_device_executor(index: int) -> type:
+    """vLLM's in-process executor with its one worker on cuda:`index`: vLLM builds its device config from the
+    platform alone ("cuda"), which puts the worker on cuda:0 whatever --device says."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    class SingleDeviceExecutor(UniProcExecutor):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            init_method, rank, _ = super()._distributed_args()
+            return init_method, rank, index
+
+    return SingleDeviceExecutor
+
+
+def engine_options(config: Any, *, device: torch.device, dtype: torch.dtype, kv_cache_gib: float,
+                   cuda_graphs: bool = True, lora: LoRASlots | None = None, in_torch_world: bool = False,
+                   free_share: float | None = None) -> dict[str, Any]:
+    """The options `vllm.LLM` gets for the checkpoint of `config` (besides the model path and the worker class).
+
+    - the KV pool is `kv_cache_gib` (the plan's on CUDA, see copes.run.plan) and vLLM fits `max_model_len` into it;
+    - one scheduler step processes at most STEP_TOKENS tokens of at most STEP_ROWS rows (the plan counts that step's
+      activations and logits);
+    - a hybrid model (gated delta-net layers) caches prefixes in `mamba_cache_mode="align"`, the mode vLLM's
+      prefix caching needs for recurrent state;
+    - on CUDA, vLLM's start-up check asks for `gpu_memory_utilization` of the card to be free; the KV size is
+      given, so that share is only a check: it is `free_share` (the card's free share at start) capped at vLLM's
+      0.9, so a card another process uses part of is not refused; --device cuda:N places the one worker on N;
+    - Qwen3.5 (wrapper or not) loads as vLLM's text-only class (copes.rollout.vllm.text_only); another
+      multimodal checkpoint loads its language model only."""
+    text = config.get_text_config()
+    options: dict[str, Any] = dict(
+        dtype=str(dtype).removeprefix("torch."), seed=0, enforce_eager=device.type == "cpu" or not cuda_graphs,
+        max_model_len=-1, kv_cache_memory_bytes=int(kv_cache_gib * GIB), enable_prefix_caching=True,
+        max_num_batched_tokens=STEP_TOKENS, max_num_seqs=STEP_ROWS)
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        options["mamba_cache_mode"] = "align"
+    text_only = text_only_options(config)
+    options.update(text_only)
+    if not text_only and getattr(config, "vision_config", None) is not None:
+        options["language_model_only"] = True
+    if device.type == "cuda":
+        options["gpu_memory_utilization"] = min(DEFAULT_GPU_SHARE, free_share) if free_share else DEFAULT_GPU_SHARE
+    if in_torch_world:
+        options["distributed_executor_backend"] = "external_launcher"
+    elif device.type == "cuda" and device.index:
+        options["distributed_executor_backend"] = _single_device_executor(device.index)
+    if lora is not None:
+        options.update(lora.engine_options())
+    return options
+
+
+def _free_share(device: torch.device) -> float | None:
+    """The share of the CUDA card `device` that is free now (None on CPU), a little under it for vLLM's own
+    rounding."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return math.floor(free / total * 100) / 100 - 0.01
+
+
 class VLLMEngine:
     """A vLLM engine on the model folder `model`, and `self.model`: HF-named views of its weights.
 
-    The KV cache is `kv_cache_gib`, and vLLM fits `max_model_len` into it (`max_model_len=-1`): the model's own
-    context length when it fits, else the longest that does; `self.plan` says in one line which. On CUDA the
-    decode runs CUDA graphs (`enforce_eager` only on CPU, where vLLM-CPU runs eagerly, or with cuda_graphs=False):
-    perturb, restore and update write in place into storage whose addresses never change, so a captured graph
-    reads the written weights (bench/vllm_gpu_check.py checks it bit for bit)."""
+    The KV cache is `kv_cache_gib` (None: DEFAULT_KV_CACHE_GIB), and vLLM fits `max_model_len` into it
+    (`max_model_len=-1`): the model's own context length when it fits, else the longest that does; `self.plan` says
+    in one line which. On CUDA the decode runs CUDA graphs (`enforce_eager` only on CPU, where vLLM-CPU runs
+    eagerly, or with cuda_graphs=False): perturb, restore and update write in place into storage whose addresses
+    never change, so a captured graph reads the written weights (bench/vllm_gpu_check.py checks it bit for bit)."""
 
     def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
-                 kv_cache_gib: float = 1.0, max_context_tokens: int | None = None, cpu_weights: str = "packed",
+                 kv_cache_gib: float | None = None, max_context_tokens: int | None = None, cpu_weights: str = "packed",
                  cuda_graphs: bool = True, lora: LoRASlots | None = None) -> None:
         if cpu_weights not in VLLM_CPU_WEIGHTS:
             raise ValueError(f"cpu_weights must be one of {VLLM_CPU_WEIGHTS}, got {cpu_weights!r}")
         vllm = _import_vllm()
+        kv_cache_gib = DEFAULT_KV_CACHE_GIB if kv_cache_gib is None else kv_cache_gib
         path = Path(resolve_model_path(model))
         if not path.is_dir():
             raise UserError(f"--rollout-engine vllm needs a local model folder or a cached hub model, got {model}")
@@ -180,17 +246,14 @@ class VLLMEngine:
         real_set_num_threads = torch.set_num_threads
         if self.device.type == "cpu" and cpu_threads:
             torch.set_num_threads(cpu_threads)
-        multimodal = getattr(config, "vision_config", None) is not None
+        if self.device.type == "cpu":  # vLLM-CPU's compiled graphs would not see the linear-layer patch
+            os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+        options = engine_options(config, device=self.device, dtype=torch_dtype, kv_cache_gib=kv_cache_gib,
+                                 cuda_graphs=cuda_graphs, lora=lora, in_torch_world=_in_torch_world(),
+                                 free_share=_free_share(self.device))
         try:
             with _own_global_rngs():
-                self.llm = vllm.LLM(
-                    str(path), dtype=str(torch_dtype).removeprefix("torch."), seed=0,
-                    enforce_eager=self.device.type == "cpu" or not cuda_graphs, max_model_len=-1,
-                    kv_cache_memory_bytes=int(kv_cache_gib * GIB), worker_extension_cls=WORKER_EXTENSION,
-                    enable_prefix_caching=True, **({"language_model_only": True} if multimodal else {}),
-                    **({"distributed_executor_backend": "external_launcher"} if _in_torch_world() else {}),
-                    **(lora.engine_options() if lora is not None else {}),
-                )
+                self.llm = vllm.LLM(str(path), worker_extension_cls=WORKER_EXTENSION, **options)
         except ValueError as error:
             raise _kv_cache_error(error, kv_cache_gib) or error from None
         finally:
@@ -217,13 +280,43 @@ class VLLMEngine:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self._cached_under: tuple[int, ...] | None = None  # the weights' versions the prefix cache was filled under
         self.prefix_cache_resets = 0
-        self.adapters = MemberAdapters(self.llm, lora) if lora is not None else None
-        self._lora_modules: set[str] = self.llm.collective_rpc("copes_lora_modules")[0] if lora is not None else set()
+        # Where LoRA adapters are read (None without LoRA): copes.rollout.vllm.lora decides reach and names.
+        self.lora_targets = LoRATargets(frozenset(self.llm.collective_rpc("copes_lora_modules")[0]),
+                                        engine_holders(self.model, trace)) if lora is not None else None
+        self.adapters = MemberAdapters(self.llm, lora, self.lora_targets) if lora is not None else None
 
-    def lora_unreachable(self, targets: dict[str, list[str]]) -> list[str]:
-        """Those of `targets` ({weight name: the nn.Linear modules reading it}) read by a linear that vLLM's LoRA
-        does not reach (tied embeddings are the caller's: copes.run.components)."""
-        return [name for name, linears in targets.items() if lora_reach(linears, self._lora_modules)]
+    def lora_canary(self, routing: Any, *, prompt_tokens: int = CANARY_PROMPT_TOKENS) -> dict[int, float]:
+        """Each routed member's largest |log-probability difference| from the base model's over the base's top
+        CANARY_TOP next tokens after a prompt of `prompt_tokens` fixed token ids. A member whose log-probabilities are
+        not finite or equal the base's is a UserError: an adapter vLLM dropped, or computed as zero or NaN (open
+        vLLM LoRA bugs: NaN on Hopper past ~128 tokens, zero deltas on gated delta-net layers)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        members = sorted({int(member) for member in routing.member_of_row.tolist()})
+        vocab = len(self.tokenizer)
+        prompt = TokensPrompt(prompt_token_ids=[(7 + 7919 * i) % vocab for i in range(prompt_tokens)])
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=CANARY_TOP)
+        adapters = dict(zip(members, self._member_adapters(routing, len(routing.member_of_row))))
+        self.repack_changed_weights()
+        with self.packed_convs.during_generation():
+            base = self.llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+            outputs = self.llm.generate([prompt] * len(members), params, use_tqdm=False,
+                                        lora_request=[adapters[member] for member in members])
+        differences = {}
+        for member, output in zip(members, outputs):
+            logprobs = output.outputs[0].logprobs[0]
+            shared = [token for token in base if token in logprobs]
+            values = [logprobs[token].logprob for token in logprobs]
+            if not all(math.isfinite(value) for value in values):
+                raise UserError(f"vLLM's LoRA gives member {member} non-finite logits on a {prompt_tokens}-token "
+                                "prompt (a vLLM LoRA kernel bug); use --rollout-engine hf")
+            differences[member] = max((abs(logprobs[token].logprob - base[token].logprob) for token in shared),
+                                      default=math.inf)
+            if differences[member] == 0:
+                raise UserError(f"member {member}'s LoRA adapter leaves vLLM's logits equal to the base model's on a "
+                                f"{prompt_tokens}-token prompt: vLLM does not apply it; use --rollout-engine hf")
+        return differences
 
     def start_rollout(self) -> None:
         """Drop every cached prefix if a weight was written since the last rollout started (KV computed under other

@@ -17,25 +17,38 @@ never served. A step's noise is told by identity (`RoutedRows.noise`, one list o
 the next so it cannot be freed and its id reused). When new noise arrives, the previous adapters are removed from
 the engine, so adapter memory is one step's population.
 
-Reach: vLLM's LoRA reaches its linear layers (qkv / o / gate_up / down projections under HF names q_proj ...), not
-a tied embedding (a tied lm_head is the embedding matrix: its per-row correction also enters the input lookup, which
-LoRA does not model). Under vLLM the low-rank strategies leave a tied embedding out of their targets, and refuse a
-target read by a linear `lora_reach` names (copes.run.components.build_strategy).
+Names and reach, decided here alone (`LoRATargets`): vLLM applies an adapter's module only when its name is one
+its LoRA manager looks up (a LoRA layer's name, a fused layer's parts under their own names: `...qkv_proj` looks up
+`...q_proj`, `...k_proj`, `...v_proj`), and drops any other at debug level, so a misnamed adapter silently leaves a
+member equal to the base model. Each adapter module is therefore named after the vLLM module that holds the HF
+linear's weight (found by the weight-loader trace, copes.rollout.vllm.views): the holder itself, or for a part of
+a fused holder (q_proj in qkv_proj, in_proj_qkv in Qwen3.5's fused in_proj_qkvz) the holder's sibling under the
+part's name; a build whose layers are separate (in_proj_qkv and in_proj_z) names them directly. A target whose
+adapter name vLLM does not look up is refused at start (`check_lora_reach`), and an adapter carrying such a module
+is an error, never a silent base-model member. A tied embedding is not reachable: a tied lm_head is the embedding
+matrix, whose per-row correction also enters the input lookup, which LoRA does not model; the low-rank strategies
+leave it out of their targets under vLLM (`tied_embeddings`, read from the model alone so copes-replay on HF leaves
+out the same).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from copes.errors import ConfigError, UserError
+
 # vLLM's allowed --max-lora-rank values (vllm.config.lora.MaxLoRARanks); an adapter of lower rank fits a larger slot.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # The path an in-memory adapter's LoRARequest carries (vLLM wants one); the worker never opens it.
 MEMORY_PATH = "copes-memory-adapter"
+LORA_BASE_LAYER = "base_layer"  # vLLM's LoRA layer keeps the layer it wraps under this name
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,53 @@ class Routing(Protocol):
     def member_factors(self, member: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]: ...
 
 
+@dataclass(frozen=True)
+class LoRATargets:
+    """Where an engine's LoRA layers read adapters: `lookups`, every module name vLLM's LoRA manager looks an adapter
+    up under (CoPESWorkerExtension.copes_lora_modules), and `holders`, each HF parameter's vLLM parameter."""
+
+    lookups: frozenset[str]
+    holders: dict[str, str]
+
+    def adapter_module(self, linear: str) -> str | None:
+        """The module name the adapter of HF linear `linear` carries (see the module docstring); None when vLLM
+        holds no weight of its own for it (a tied lm_head)."""
+        holder = self.holders.get(f"{linear}.weight")
+        if holder is None:
+            return None
+        module = holder.removesuffix(".weight").removesuffix(f".{LORA_BASE_LAYER}")  # a LoRA layer wraps the holder
+        parent, _, leaf = module.rpartition(".")
+        part = linear.rpartition(".")[2]
+        return module if part == leaf else f"{parent}.{part}".lstrip(".")
+
+    def unreachable(self, linears: Sequence[str]) -> list[str]:
+        """Those of the HF linear modules `linears` whose adapter vLLM would not apply."""
+        return [linear for linear in linears if self.adapter_module(linear) not in self.lookups]
+
+
+def tied_embeddings(model: torch.nn.Module, algorithm: str, *, notice: bool) -> list[str]:
+    """The linear weights an nn.Embedding also reads (a tied lm_head), which a LoRA adapter cannot carry: left out
+    of a low-rank strategy's targets on vLLM, with one notice (when `notice`, on rank 0)."""
+    read_by = {kind: {id(m.weight) for m in model.modules() if type(m) is kind}
+               for kind in (torch.nn.Linear, torch.nn.Embedding)}
+    both = read_by[torch.nn.Linear] & read_by[torch.nn.Embedding]
+    tied = [name for name, param in model.named_parameters() if id(param) in both]
+    if tied and notice and os.environ.get("RANK", "0") == "0":
+        print(f"notice: {algorithm} on vLLM leaves {', '.join(tied)} unperturbed (a LoRA adapter cannot carry a "
+              "tied embedding); --exclude it for the same targets on --rollout-engine hf", file=sys.stderr)
+    return tied
+
+
+def check_lora_reach(targets: LoRATargets, matrices: Sequence[Any], algorithm: str) -> None:
+    """One line naming the strategy's targets (`matrices`: name and the linears reading each) read by a linear
+    whose adapter vLLM would not apply."""
+    unreachable = [matrix.param.name for matrix in matrices
+                   if targets.unreachable([name for name, _ in matrix.linears])]
+    if unreachable:
+        raise ConfigError(f"vLLM's LoRA layers do not reach {', '.join(unreachable)}: --exclude them for "
+                          f"{algorithm} on --rollout-engine vllm")
+
+
 def adapter_tensors(factors: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> dict[str, torch.Tensor]:
     """PEFT-named LoRA tensors of one member: for module M with factors (A [m, r], B [n, r]),
     `base_model.model.M.lora_A.weight` = B^T [r, n] and `...lora_B.weight` = scale * A [m, r], so that
@@ -78,18 +138,14 @@ def adapter_tensors(factors: dict[str, tuple[torch.Tensor, torch.Tensor]], scale
     return tensors
 
 
-def lora_reach(module_names: Sequence[str], lora_modules: set[str]) -> list[str]:
-    """Those of `module_names` (HF nn.Linear names) whose last segment is none of vLLM's LoRA target modules."""
-    return [name for name in module_names if name.rpartition(".")[2] not in lora_modules]
-
-
 class MemberAdapters:
     """The engine side of the member adapters: ids, the in-memory store the worker loads from, retirement.
 
-    `store` is shared with the in-process worker (`copes_serve_adapters`): {lora_int_id: (tensors, rank)}."""
+    `store` is shared with the in-process worker (`copes_serve_adapters`): {lora_int_id: (tensors, rank)}, the
+    tensors named by `targets`."""
 
-    def __init__(self, llm: Any, slots: LoRASlots) -> None:
-        self.llm, self.slots = llm, slots
+    def __init__(self, llm: Any, slots: LoRASlots, targets: LoRATargets) -> None:
+        self.llm, self.slots, self.targets = llm, slots, targets
         self.store: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
         self._ids = itertools.count(1)
         self._noise: tuple[Any, float] | None = None  # the routed noise (and scale) the current adapters carry
@@ -112,6 +168,11 @@ class MemberAdapters:
                              f"{self.slots.adapters} adapters")
         for member in sorted(set(members) - set(self._requests)):
             factors = routing.member_factors(member)
+            unreachable = self.targets.unreachable(list(factors))
+            if unreachable:
+                raise UserError(f"member {member}'s LoRA adapter names {len(unreachable)} modules no vLLM LoRA layer "
+                                f"reads ({unreachable[0]} ...): vLLM would drop them and run the base model")
+            factors = {self.targets.adapter_module(linear): pair for linear, pair in factors.items()}
             rank = next(iter(factors.values()))[0].shape[-1] if factors else self.slots.rank
             lora_id = next(self._ids)
             self.store[lora_id] = (adapter_tensors(factors, routing.scale), rank)

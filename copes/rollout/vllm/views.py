@@ -14,7 +14,7 @@ error, never a silent mismatch.
 
 Every traced view is then checked against the checkpoint, bit for bit, after the cast vLLM applied: a layout vLLM
 changes after loading (`process_weights_after_loading`) is an error. Checkpoint tensors vLLM does not load at all
-(a vision tower under `language_model_only`, `mtp.*` draft layers) are counted and named by their prefix.
+(a vision tower, `mtp.*` draft layers) are counted and named by their prefix.
 
 A parameter vLLM keeps wider than the model dtype (Qwen3.5's `A_log` in fp32 beside bf16 weights) is handed to the
 trainer in the engine's dtype: the HF parameter *is* the fp32 tensor the engine computes with, so a perturbation
@@ -26,7 +26,7 @@ that tensor in fp32.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +90,12 @@ class _CopyRecorder(TorchDispatchMode):
 @dataclass(frozen=True)
 class CheckpointTrace:
     """What vLLM did with each checkpoint tensor: `views` (checkpoint name -> engine view under the checkpoint's
-    shape, checked bit for bit) and `skipped` (names vLLM does not load)."""
+    shape, checked bit for bit), `skipped` (names vLLM does not load) and `holders` (checkpoint name -> the vLLM
+    parameter that holds it: where a LoRA adapter for it must be named)."""
 
     views: dict[str, torch.Tensor]
     skipped: list[str]
+    holders: dict[str, str] = field(default_factory=dict)
 
     def skipped_summary(self) -> str:
         prefixes = sorted({".".join(name.split(".")[:2]) for name in self.skipped})
@@ -121,8 +123,9 @@ def stored_tensors(path: Path, names: set[str]) -> dict[str, torch.Tensor]:
 
 
 def _view_of_copies(name: str, tensor: torch.Tensor, copies: list[_Copy],
-                    parameters: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The engine view that holds checkpoint tensor `name`, from the copies its load made."""
+                    parameters: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
+    """The engine view that holds checkpoint tensor `name`, and its parameter's name, from the copies its load
+    made."""
     owners = {copy.parameter for copy in copies}
     offsets = {copy.dest_start - copy.source_start for copy in copies}
     covered = sorted((copy.source_start, copy.numel) for copy in copies)
@@ -131,11 +134,12 @@ def _view_of_copies(name: str, tensor: torch.Tensor, copies: list[_Copy],
             and sum(n for _, n in covered) == tensor.numel()):
         raise UserError(f"vLLM loads {name} in a layout ES cannot view under its HF name "
                         f"(into {sorted(owners)}, not one contiguous run); use --rollout-engine hf")
-    parameter = parameters[owners.pop()]
+    owner = owners.pop()
+    parameter = parameters[owner]
     if not parameter.is_contiguous():
         raise UserError(f"vLLM keeps {name} in non-contiguous storage; use --rollout-engine hf")
     start = offsets.pop()
-    return parameter.view(-1)[start:start + tensor.numel()].view(tensor.shape)
+    return parameter.view(-1)[start:start + tensor.numel()].view(tensor.shape), owner
 
 
 def _same_bits(expected: torch.Tensor, view: torch.Tensor) -> bool:
@@ -148,6 +152,7 @@ def trace_checkpoint(vllm_model: torch.nn.Module, tensors: Iterable[tuple[str, t
     parameters = {name: param.detach() for name, param in vllm_model.named_parameters()}  # detach: shares versions
     recorder = _CopyRecorder({param.untyped_storage().data_ptr(): (name, param) for name, param in parameters.items()})
     views: dict[str, torch.Tensor] = {}
+    holders: dict[str, str] = {}
     skipped: list[str] = []
     for name, tensor in tensors:
         recorder.source, recorder.copies, recorder.other_writes = tensor, [], []
@@ -159,11 +164,11 @@ def trace_checkpoint(vllm_model: torch.nn.Module, tensors: Iterable[tuple[str, t
         if not recorder.copies:
             skipped.append(name)
             continue
-        view = _view_of_copies(name, tensor, recorder.copies, parameters)
+        view, holders[name] = _view_of_copies(name, tensor, recorder.copies, parameters)
         if not _same_bits(tensor, view):
             raise UserError(f"vLLM changed {name} while loading it; ES cannot perturb it under its HF name")
         views[name] = view
-    return CheckpointTrace(views, skipped)
+    return CheckpointTrace(views, skipped, holders)
 
 
 def hf_name(checkpoint_name: str, hf_names: set[str]) -> str | None:
@@ -172,6 +177,17 @@ def hf_name(checkpoint_name: str, hf_names: set[str]) -> str | None:
     candidates = (checkpoint_name, checkpoint_name.replace(f".{WRAPPER_SEGMENT}", ".", 1),
                   checkpoint_name.removeprefix(WRAPPER_SEGMENT))
     return next((name for name in candidates if name in hf_names), None)
+
+
+def engine_holders(hf_model: torch.nn.Module, trace: CheckpointTrace) -> dict[str, str]:
+    """{HF parameter name: the vLLM parameter that holds it} for every parameter `trace` found."""
+    hf_names = {name for name, _ in hf_model.named_parameters(remove_duplicate=False)}
+    holders = {}
+    for name, holder in trace.holders.items():
+        target = hf_name(name, hf_names)
+        if target is not None:
+            holders[target] = holder
+    return holders
 
 
 def bind_views(hf_model: torch.nn.Module, trace: CheckpointTrace) -> list[str]:

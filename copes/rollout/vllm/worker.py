@@ -145,16 +145,13 @@ class CoPESWorkerExtension:
 
     def copes_serve_adapters(self, store: dict[int, tuple[dict[str, torch.Tensor], int]]) -> None:
         """Load the LoRA adapters whose ids are in `store` ({id: (PEFT-named tensors, rank)}, filled by the engine
-        in this process: copes.rollout.vllm.lora) from those tensors instead of from a folder."""
+        in this process: copes.rollout.vllm.lora) from those tensors instead of from a folder. The tensors are
+        named by vLLM's own modules already, so no checkpoint-name mapper applies."""
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
         manager = self.model_runner.lora_manager  # type: ignore[attr-defined]
         load_from_folder = manager._load_adapter
-        model = manager._adapter_manager.model
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        mapper = mapper.get_rename_mapper() if mapper is not None else None
-
         def load_adapter(request: Any) -> Any:
             if request.lora_int_id not in store:
                 return load_from_folder(request)
@@ -165,15 +162,15 @@ class CoPESWorkerExtension:
             peft.validate_legal(manager.lora_config)
             return LoRAModel.from_lora_tensors(request.lora_int_id, tensors, peft, device="cpu",
                                                dtype=manager.lora_config.lora_dtype,
-                                               model_vocab_size=manager.vocab_size, weights_mapper=mapper)
+                                               model_vocab_size=manager.vocab_size)
 
         manager._load_adapter = load_adapter
 
     def copes_lora_modules(self) -> set[str]:
-        """The linear modules vLLM's LoRA reaches, packed ones by their HF parts (q_proj, not qkv_proj). vLLM also
-        offers LoRA on embed_tokens and lm_head; a tied lm_head is the embedding matrix, whose per-row correction
-        also enters the input lookup, so those two stay out."""
+        """Every module name vLLM's LoRA manager looks an adapter's weights up under: each LoRA layer's full name,
+        a fused layer's by its parts (`...qkv_proj` -> `...q_proj`, `...k_proj`, `...v_proj`). vLLM also offers
+        LoRA on embed_tokens and lm_head; a tied lm_head is the embedding matrix, whose per-row correction also
+        enters the input lookup, so those two stay out."""
         adapters = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
-        packed = adapters.packed_modules_mapping
-        return {part for module in adapters.supported_lora_modules for part in packed.get(module, [module])
-                if part not in EMBEDDING_MODULES}
+        names = {part for module in adapters.modules for part in adapters.packed_modules.get(module, [module])}
+        return {name for name in names if name.rpartition(".")[2] not in EMBEDDING_MODULES}

