@@ -224,6 +224,11 @@ class HFEngine:
         renamed = forward is not None and "cache" in inspect.signature(forward).parameters
         self._cache_argument = "cache" if renamed else "past_key_values"
 
+    @property
+    def keeps_row_caches(self) -> bool:
+        """Whether a row that ends on a stop string keeps its cache until its next call (see `generate`)."""
+        return self.row_caches and drives(self.model)
+
     def start_rollout(self) -> None:
         """The weights may have changed: every row's cache was computed under the old ones."""
         self._states.clear()
