@@ -18,8 +18,10 @@ Contract:
   `max_observation_tokens` (capped by `max_context_tokens`). The prompt is taken as PROMPT_TOKENS.
 - A fixed reserve (RESERVE_BYTES + RESERVE_FRACTION of the card) stands for the CUDA context, cuBLAS/Triton
   workspaces and allocator fragmentation.
-- Rows per generate call: `--rollout-batch` when given (checked), else the most rows that fit, at most the prompt
-  batch. When not even one row fits, `advice` names what to change, in one line.
+- Rows per generate call: `--rollout-batch` when given (checked), else the most rows that fit, at most the rows one
+  rollout has: the prompt batch for a per-member algorithm (one member at a time), prompt batch x this rank's members
+  for a low-rank one (EGGROLL, copes-lowrank: the whole population in one rollout, each row routed to its member).
+  When not even one row fits, `advice` names what to change, in one line.
 The per-token activation coefficients come from the intermediates transformers' Qwen3 / Qwen3.5 layers keep alive
 (torch fallback of the gated delta rule: fp32); tests/run/test_plan.py measures them on CPU at reduced width.
 """
@@ -223,7 +225,8 @@ class MemoryPlan:
     per_row: list[PlanLine]
     per_call: list[PlanLine]  # rollout memory held once per generate call, whatever its rows
     rows: int  # rows per generate call the run uses (0: none fits)
-    rows_wanted: int
+    rows_wanted: int  # rows of one rollout: the prompt batch, times this rank's members for a low-rank population
+    rows_per_step: int  # rows this rank generates in a step (every member's rollout)
     activation_kind: str
     advice: str | None = None
 
@@ -268,7 +271,8 @@ class MemoryPlan:
         verdict = (f"fits: peak {_gib(self.peak_bytes())} of {_gib(self.usable_bytes)} usable"
                    if self.fits else f"does not fit: {self.advice}")
         return (f"memory plan ({self.device}, {_gib(self.card_bytes)} {self.card_source}, {self.dtype}): "
-                f"{self.rows} rows per generate call, {self.rollout.context_tokens} tokens per row; {verdict}")
+                f"{self.rows_per_step} rows per step, {self.rows} per generate call, "
+                f"{self.rollout.context_tokens} tokens per row; {verdict}")
 
     def table(self) -> str:
         rows = [("weights and training state", None, "")]
@@ -423,12 +427,14 @@ def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None,
         if device == "cpu" and cfg.vllm_cpu_weights == "packed":
             fixed.append(PlanLine("packed linear weights", shape.parameters * s, "oneDNN copies (at most the weights)"))
     size, source = card_bytes(cfg)
+    members = math.ceil(cfg.population / cfg.workers)  # this rank's share of the population
+    one_rollout = cfg.prompt_batch * (1 if cfg.algorithm in PER_MEMBER_ALGORITHMS else members)
     plan = MemoryPlan(device, size, source, dtype, shape, rollout, fixed,
-                      _update_lines(cfg, shape, s), per_row, per_call, rows=0, rows_wanted=cfg.prompt_batch,
-                      activation_kind=kind)
+                      _update_lines(cfg, shape, s), per_row, per_call, rows=0, rows_wanted=one_rollout,
+                      rows_per_step=cfg.prompt_batch * members, activation_kind=kind)
     room = plan.usable_bytes - plan.fixed_bytes
     rows_fit = max((room - plan.call_bytes) // plan.row_bytes, 0) if room > plan.update_bytes else 0
-    plan.rows = cfg.rollout_batch if cfg.rollout_batch is not None else min(int(rows_fit), cfg.prompt_batch)
+    plan.rows = cfg.rollout_batch if cfg.rollout_batch is not None else min(int(rows_fit), one_rollout)
     if not plan.fits:
         plan.advice = _advice(cfg, plan, int(rows_fit))
     return plan
@@ -486,7 +492,8 @@ def check_plan(cfg: TrainConfig, *, device: str, uses_tools: bool, say: Any = pr
 
 def plan_json(plan: MemoryPlan) -> str:
     """The plan as JSON (for benches and the GPU check to compare against measurements)."""
-    return json.dumps({"rows": plan.rows, "fits": plan.fits, "peak_bytes": plan.peak_bytes(),
+    return json.dumps({"rows": plan.rows, "rows_per_step": plan.rows_per_step, "fits": plan.fits,
+                       "peak_bytes": plan.peak_bytes(),
                        "usable_bytes": plan.usable_bytes, "fixed": {line.what: line.bytes for line in plan.fixed},
                        "update": {line.what: line.bytes for line in plan.update},
                        "per_row": {line.what: line.bytes for line in plan.per_row},

@@ -256,3 +256,31 @@ def test_the_plan_counts_a_prefill_chunk_once_per_call_and_the_caches_per_row():
     toolless = plan_for(build_config({"model": str(QWEN35), "device_memory_gib": 24, "tools": False, **PAPER}))
     assert not toolless.rollout.chunked and not toolless.per_call
     assert "prefill activations" in {line.what for line in toolless.per_row}
+
+
+@pytest.mark.parametrize("algorithm", ["eggroll", "copes-lowrank"])
+def test_a_low_rank_population_plans_prompt_batch_times_members_rows(algorithm):
+    """Guards #35: EGGROLL / copes-lowrank roll out prompt batch x population rows in one rollout (640 for the
+    shipped 4B config) while the plan sized one member's 16 and gave the agent no batch size, so all 640 went to
+    one generate call. The plan now counts the 640 and caps one call at the rows that fit."""
+    settings = {**PAPER, "algorithm": algorithm, "population": 40, "prompt_batch": 16, "device_memory_gib": 24,
+                **({"subspaces": 4} if algorithm == "copes-lowrank" else {"subspaces": 1})}
+    plan = plan_for(build_config({"model": str(QWEN35), **settings}))
+    assert plan.rows_per_step == plan.rows_wanted == 640
+    assert plan.fits and 1 <= plan.rows < 640 and plan.peak_bytes(plan.rows + 1) > plan.usable_bytes, plan.table()
+    assert plan.batch_size == plan.rows
+    assert "640 rows per step" in plan.summary() and f"{plan.rows} per generate call" in plan.summary()
+
+
+def test_a_low_rank_run_batches_its_population_by_the_plans_rows(tmp_path):
+    """Guards #35: the trainer's agent takes the plan's rows per call for a batched population (it got None, every
+    row in one call)."""
+    from copes.run.trainer import Trainer
+
+    settings = {"steps": 1, "eval_size": 0, "prompt_batch": 2, "population": 4, "algorithm": "eggroll",
+                "subspaces": 1, "output_dir": str(tmp_path), "device": "cpu"}
+    roomy = plan_for(build_config(settings))
+    assert roomy.rows_wanted == roomy.rows_per_step == 8 and roomy.batch_size is None
+    card = (roomy.fixed_bytes + max(roomy.call_bytes, 0) + 3.5 * roomy.row_bytes + GIB) / 0.95 / GIB
+    trainer = Trainer(build_config({**settings, "device_memory_gib": card}), progress=False)
+    assert trainer.plan.rows == 3 and trainer.agent.batch_size == 3
