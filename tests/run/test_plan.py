@@ -159,15 +159,16 @@ def test_the_run_takes_the_plans_rows_per_generate_call(tmp_path):
 
 
 def test_setup_floors_match_what_the_code_uses():
-    """transformers 5.2.0 is the first wheel with models/qwen3_5 (5.1.0 has none); triton.knobs first ships in
-    triton 3.4.0; torch.autograd.graph.increment_version takes a list of tensors from torch 2.5 (2.4's
-    _increment_version takes one tensor). Checked against the released wheels."""
+    """transformers 5.5 is the first with `transformers.cache_utils.LinearAttentionLayer`, which the HF engine
+    imports (#35 reproduced 5.2, the old floor, failing even `--plan`); triton.knobs first ships in triton 3.4.0;
+    torch.autograd.graph.increment_version takes a list of tensors from torch 2.5 (2.4's _increment_version takes
+    one tensor)."""
     import re
 
     text = (REPO / "setup.py").read_text()
     floors = {name: tuple(map(int, version.split(".")))
               for name, version in re.findall(r'"(torch|transformers|triton)>=([\d.]+)"', text)}
-    assert floors == {"torch": (2, 5), "transformers": (5, 2), "triton": (3, 4)}
+    assert floors == {"torch": (2, 5), "transformers": (5, 5), "triton": (3, 4)}
     assert "triton>=3.2" not in text
 
 
@@ -284,3 +285,20 @@ def test_a_low_rank_run_batches_its_population_by_the_plans_rows(tmp_path):
     card = (roomy.fixed_bytes + max(roomy.call_bytes, 0) + 3.5 * roomy.row_bytes + GIB) / 0.95 / GIB
     trainer = Trainer(build_config({**settings, "device_memory_gib": card}), progress=False)
     assert trainer.plan.rows == 3 and trainer.agent.batch_size == 3
+
+
+def test_the_plan_counts_decodes_repeated_kv_without_pack_gqa(monkeypatch):
+    """Guards #35: before transformers 5.23 (the device image's 5.17) a masked one-position SDPA call repeats every
+    row's K/V to the query heads over the whole context (2.9 GiB per attention layer at 11 rows x 16K), which the
+    plan did not count; it does when transformers lacks pack_gqa, and fits fewer rows."""
+    from transformers.integrations import sdpa_attention
+
+    cfg = build_config({"model": str(QWEN35), "device_memory_gib": 24, **PAPER})
+    packed = plan_for(cfg)
+    assert "decode K/V repeated" not in {line.what for line in packed.per_row}
+    monkeypatch.delattr(sdpa_attention, "pack_gqa")
+    repeated = plan_for(cfg)
+    lines = {line.what: line.bytes for line in repeated.per_row}
+    shape = repeated.shape
+    assert lines["decode K/V repeated"] == 2 * shape.heads * shape.head_dim * repeated.rollout.context_tokens * 2
+    assert repeated.row_bytes > packed.row_bytes and repeated.rows <= packed.rows
