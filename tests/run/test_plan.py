@@ -302,3 +302,17 @@ def test_the_plan_counts_decodes_repeated_kv_without_pack_gqa(monkeypatch):
     shape = repeated.shape
     assert lines["decode K/V repeated"] == 2 * shape.heads * shape.head_dim * repeated.rollout.context_tokens * 2
     assert repeated.row_bytes > packed.row_bytes and repeated.rows <= packed.rows
+
+
+def test_the_context_cap_is_clamped_to_the_engines_longest_context_at_start(tmp_path):
+    """Guards #35: --max-context-tokens (default 131072) was not clamped to what the engine takes (vLLM's
+    max_model_len, the model's max_position_embeddings), so a long row was refused mid-run; the agent now ends
+    such a row truncated at the engine's limit (64 positions for the embedded model)."""
+    from copes.run.trainer import Trainer
+
+    settings = {"steps": 1, "eval_size": 0, "prompt_batch": 2, "output_dir": str(tmp_path), "device": "cpu"}
+    trainer = Trainer(build_config(settings), progress=False)
+    assert trainer.model.config.max_position_embeddings == 64
+    assert trainer.agent.max_context_tokens == 64
+    small = Trainer(build_config({**settings, "max_context_tokens": 48}), progress=False)
+    assert small.agent.max_context_tokens == 48
