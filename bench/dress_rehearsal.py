@@ -246,6 +246,7 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
                     report[phase] = {**entry, "status": "not run", "why": "no --vllm-python environment"}
                     continue
                 python = args.vllm_python
+            settings["device_memory_gib"] = args.ram_gib  # the run refuses what its plan says cannot fit
             entry["planned_gib"] = planned_gib(settings, model, args.ram_gib)
             out = work / phase
             entry |= run_measured(locked(big, copes_run_command(python, settings, model, out)), env=env,
@@ -255,7 +256,7 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
                 data = json.loads(summary.read_text())
                 entry["phase_seconds"] = data.get("phase_seconds")
         elif phase == "kill-resume":
-            settings = {**COMMON, **RUNS["copes-hf"]}
+            settings = {**COMMON, **RUNS["copes-hf"], "device_memory_gib": args.ram_gib}
             out = work / phase
             entry["planned_gib"] = planned_gib(settings, model, args.ram_gib)
             first = run_measured(locked(big, copes_run_command(sys.executable, settings, model, out)), env=env,

@@ -279,7 +279,7 @@ def test_a_low_rank_run_batches_its_population_by_the_plans_rows(tmp_path):
     from copes.run.trainer import Trainer
 
     settings = {"steps": 1, "eval_size": 0, "prompt_batch": 2, "population": 4, "algorithm": "eggroll",
-                "subspaces": 1, "output_dir": str(tmp_path), "device": "cpu"}
+                "subspaces": 1, "output_dir": str(tmp_path), "device": "cpu", "device_memory_gib": 8}
     roomy = plan_for(build_config(settings))
     assert roomy.rows_wanted == roomy.rows_per_step == 8 and roomy.batch_size is None
     card = (roomy.fixed_bytes + max(roomy.call_bytes, 0) + 3.5 * roomy.row_bytes + GIB) / 0.95 / GIB
@@ -310,9 +310,33 @@ def test_the_context_cap_is_clamped_to_the_engines_longest_context_at_start(tmp_
     such a row truncated at the engine's limit (64 positions for the embedded model)."""
     from copes.run.trainer import Trainer
 
-    settings = {"steps": 1, "eval_size": 0, "prompt_batch": 2, "output_dir": str(tmp_path), "device": "cpu"}
+    settings = {"steps": 1, "eval_size": 0, "prompt_batch": 2, "output_dir": str(tmp_path), "device": "cpu",
+                "device_memory_gib": 8}
     trainer = Trainer(build_config(settings), progress=False)
     assert trainer.model.config.max_position_embeddings == 64
     assert trainer.agent.max_context_tokens == 64
     small = Trainer(build_config({**settings, "max_context_tokens": 48}), progress=False)
     assert small.agent.max_context_tokens == 48
+
+
+def test_a_cpu_plan_counts_the_host_process_against_the_ram_budget():
+    """Guards #35: `--device cpu` plans RAM, where the interpreter, torch and the kernels count too (0.74 GiB peak
+    RSS measured for a reduced-width run whose model and rollout the plan put at 0.02 GiB); a card has none."""
+    settings = {"model": str(QWEN35), "dtype": "bfloat16", "device_memory_gib": 22, "task": "gsm8k"}
+    cpu = plan_for(build_config({**settings, "device": "cpu"}))
+    cuda = plan_for(build_config({**settings, "device": "cuda"}))
+    assert {line.what: line.bytes for line in cpu.fixed}["host process"] > 0.5 * GIB
+    assert "host process" not in {line.what for line in cuda.fixed}
+    assert cpu.card_source == "stated" and cpu.usable_bytes < 22 * GIB
+
+
+def test_a_cpu_plan_budgets_available_memory_not_just_free_pages(monkeypatch):
+    """Guards #35: the CPU plan took MemFree, which counts the page cache as used: right after a 4B checkpoint was
+    read (8.4 GB of cache) a run that fits was refused. It takes MemAvailable."""
+    from copes.run import plan as plan_module
+
+    meminfo = "MemTotal:       24000000 kB\nMemFree:          500000 kB\nMemAvailable:   20000000 kB\n"
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: meminfo if str(self) == "/proc/meminfo"
+                        else real(self, *a, **k))
+    assert plan_module.available_host_bytes() == 20000000 * 1024
