@@ -82,15 +82,18 @@ def run_measured(command: list[str], *, env: dict[str, str], log: Path, kill_whe
         # Its own process group: a SIGKILL reaches copes-run itself, not only the flock that waits for it.
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         killed = False
-        while kill_when is not None and process.poll() is None:
+        while True:  # wait4, never poll(): poll() would reap the process and lose its rusage
+            pid, status, usage = os.wait4(process.pid, 0 if kill_when is None or killed else os.WNOHANG)
+            if pid:
+                break
             if kill_when():
                 os.killpg(process.pid, signal.SIGKILL)
                 killed = True
-                break
+                continue
             time.sleep(1)
-        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
     # flock execs nothing: it forks the command and waits, so its rusage covers its children's maxima.
-    return {"status": os.waitstatus_to_exitcode(status), "killed": killed,
+    return {"status": process.returncode, "killed": killed,
             "wall_s": round(time.perf_counter() - started, 1), "peak_rss_gib": round(usage.ru_maxrss * 1024 / GiB, 3)}
 
 
@@ -140,7 +143,13 @@ def journaled_members(run: Path) -> int:
     journal = journal_path(run)
     if not journal.exists():
         return 0
-    return sum('"kind": "member"' in line for line in journal.read_text(errors="replace").splitlines())
+    count = 0
+    for line in journal.read_text(errors="replace").splitlines():  # "CRC32 {json}" per record
+        try:
+            count += json.loads(line.partition(" ")[2]).get("kind") == "member"
+        except json.JSONDecodeError:  # a record being written
+            continue
+    return count
 
 
 def memcpy_gib_per_s() -> float:
