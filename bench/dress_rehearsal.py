@@ -272,7 +272,8 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
                                  log=work / "kill.log", kill_when=lambda out=out: journaled_members(out) >= 1)
             resumed = run_measured(locked(big, copes_run_command(sys.executable, settings, model, out, resume=out)),
                                    env=env, log=work / "resume.log")
-            entry |= {"killed": first["killed"], "kill_wall_s": first["wall_s"], **resumed,
+            entry |= {**resumed, "killed": first["killed"], "killed_status": first["status"],
+                      "kill_wall_s": first["wall_s"],
                       "peak_rss_gib": max(first["peak_rss_gib"], resumed["peak_rss_gib"])}
             entry["bitwise_vs_uninterrupted"] = same_weights(checkpoint_of(out), checkpoint_of(work / "copes-hf"))
         elif phase == "replay":
