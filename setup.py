@@ -19,7 +19,9 @@ setup(
         "numba>=0.60",  # the compiled CPU backend (copes_kernels/backends/cpu): LLVM wheels, no compiler needed
         "safetensors>=0.4",
         "accelerate>=1.0",  # transformers' device_map: a GPU model loads straight onto its device
-        "transformers>=5.2",  # the first release with Qwen3.5 (transformers.models.qwen3_5)
+        # LinearAttentionLayer (copes/rollout/hf_engine.py) is 5.5+; before 5.23 a decode step repeats K/V to the
+        # query heads (no pack_gqa), which the memory plan then counts.
+        "transformers>=5.5",
         "tokenizers>=0.20",
         "click>=8.1",
         "pyyaml>=6.0",

@@ -36,6 +36,7 @@ from models import parameter_count, weight_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
+NOT_RUN = 3  # the exit status of a phase that had nothing to run here (gpu_check.sh reports "not run")
 
 # Qwen3.5-4B's text model, read from the config fixture the memory plan is tested on (tests/fixtures/qwen3.5-4b,
 # shapes from the public model card): 32 layers (every 4th full attention, 4 KV heads of 256; the others gated
@@ -126,11 +127,20 @@ def versions(device: str) -> dict[str, str]:
 
     found = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
              "transformers": transformers.__version__,
-             "fla": "present" if importlib.util.find_spec("fla") else "absent"}
+             **linear_attention_kernels()}
     if device == "cuda":
         major, minor = torch.cuda.get_device_capability()
         found.update(gpu=torch.cuda.get_device_name(), arch=f"sm_{major}{minor}", cuda=str(torch.version.cuda))
     return found
+
+
+def linear_attention_kernels() -> dict[str, str]:
+    """Whether flash-linear-attention and causal-conv1d are importable, and so which path Qwen3.5's gated delta-net
+    layers run here: the fused CUDA kernels, or transformers' pure-torch fallback (a bare image may lack both)."""
+    fla, conv = (importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d"))
+    return {"fla": "present" if fla else "absent", "causal_conv1d": "present" if conv else "absent",
+            "delta_rule_path": "fla kernels" if fla else "torch fallback (chunk_gated_delta_rule in torch)",
+            "conv1d_path": "causal-conv1d kernels" if conv else "torch fallback (F.conv1d)"}
 
 
 def sass_counts(device: str, timeout_s: float) -> list[str]:
@@ -385,11 +395,11 @@ def trainer(sizes: Sizes) -> dict[str, Any]:
 
 def vllm(sizes: Sizes) -> dict[str, Any]:
     """bench/vllm_gpu_check.py on the device: bitwise perturb -> generate -> restore -> generate inside vLLM, and
-    decode tokens/s with CUDA graphs on and off. Skipped (and passed) where vLLM is not installed: a bare device
-    image has none, so this phase needs vLLM's wheels carried. Not part of the CPU dry run (CI's main suite has
-    no vLLM; the vLLM suite runs the same check on CPU)."""
+    decode tokens/s with CUDA graphs on and off. Reported "not run" (never "passed") where vLLM is not installed:
+    a bare device image has none, so this phase needs vLLM's wheels carried. Not part of the CPU dry run (CI's main
+    suite has no vLLM; the vLLM suite runs the same check on CPU)."""
     if sizes.device != "cuda" or importlib.util.find_spec("vllm") is None:
-        return {"ok": True, "summary": "skipped: vllm is not installed here (or a CPU dry run)"}
+        return {"ok": True, "not_run": True, "summary": "vllm is not installed here (or a CPU dry run)"}
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models, for its random model
     import vllm_gpu_check
@@ -429,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     (args.work / f"{args.phase}.json").write_text(json.dumps(without_tensors(found), indent=1, default=str))
     print(("" if found["ok"] else "FAILED: ") + found["summary"])
+    if found.get("not_run"):
+        return NOT_RUN
     return 0 if found["ok"] else 1
 
 

@@ -53,10 +53,11 @@ phase() {
         "$PYTHON" bench/gpu_check.py "$name" --work "$WORK" "${DRY_RUN[@]}" >"$WORK/$name.log" 2>&1
     local rc=$? result=passed
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then result="timeout after ${limit}s"; status=1
+    elif [ $rc -eq 3 ]; then result="not run"  # bench/gpu_check.py's NOT_RUN: nothing to check here, not a pass
     elif [ $rc -ne 0 ]; then result="FAILED (rc $rc)"; status=1
     fi
     local took=$((SECONDS - start))
-    echo "$name,${result%% *},$took" >>"$WORK/phases.csv"
+    echo "$name,${result// /_},$took" >>"$WORK/phases.csv"
     echo "== $name: $result in ${took}s | $(grep -v '^\s*$' "$WORK/$name.log" | tail -n 1 | cut -c1-400)" \
         | tee -a "$WORK/summary.txt"
 }

@@ -22,17 +22,18 @@ ITERATIONS = 3
 NORMAL_ATOL = {"cpu": 2e-6, "triton": 1e-5}
 
 
-def make_model(dtype: torch.dtype) -> torch.nn.Sequential:
+def make_model(dtype: torch.dtype, device: torch.device) -> torch.nn.Sequential:
+    """On the suite's device: on a CUDA machine the triton backend runs compiled kernels on CUDA tensors only."""
     torch.manual_seed(0)
     # Odd widths: tensors of 7 x 33, 33, 5 x 7 ... elements start and end inside Philox blocks.
     model = torch.nn.Sequential(torch.nn.Linear(33, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
-    return model.to(dtype)
+    return model.to(device, dtype)
 
 
-def regression_batch() -> tuple[torch.Tensor, torch.Tensor]:
+def regression_batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(64, 33, generator=generator)
-    return x, torch.sin(x[:, :5])
+    return x.to(device), torch.sin(x[:, :5]).to(device)
 
 
 def reward(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
@@ -80,10 +81,10 @@ def dense_update(p: torch.Tensor, tensor_id: int, seeds: list[int], coeffs: list
     scaled = (torch.tensor(coeffs, dtype=torch.float32) * LR).tolist()
     total = flat.float()
     for member, (seed, coeff) in enumerate(zip(seeds, scaled)):
-        total = total + torch.tensor(coeff, dtype=torch.float32) * ck.normal(
-            flat.numel(), seed=seed, member=member, tensor_id=tensor_id
+        total = total + torch.tensor(coeff, dtype=torch.float32, device=p.device) * ck.normal(
+            flat.numel(), seed=seed, member=member, tensor_id=tensor_id, device=p.device
         )
-    uniforms = ck.rounding_uniforms(flat.numel(), seed=seeds[0], tensor_id=tensor_id)  # the public stream
+    uniforms = ck.rounding_uniforms(flat.numel(), seed=seeds[0], tensor_id=tensor_id, device=p.device)  # public
     flat.copy_(ck.round_stochastic(total, p.dtype, uniforms))
 
 
@@ -96,7 +97,8 @@ def dense_loop(model: torch.nn.Module, batch, history: list[dict]) -> None:
         for member, seed in enumerate(seeds):
             saved = [p.detach().clone() for _, p in named]
             for (_, p), tensor_id in zip(named, ids):
-                eps = ck.normal(p.numel(), seed=seed, member=member, tensor_id=tensor_id).view(p.shape)
+                eps = ck.normal(p.numel(), seed=seed, member=member, tensor_id=tensor_id, device=p.device)
+                eps = eps.view(p.shape)
                 p.data = (p.detach().float() + SIGMA * eps).to(p.dtype)
             rewards.append(reward(model, batch))
             for (_, p), copy in zip(named, saved):
@@ -108,23 +110,23 @@ def dense_loop(model: torch.nn.Module, batch, history: list[dict]) -> None:
             assert torch.equal(bits(p.detach()), bits(kernel)), f"iteration {iteration}: {name} differs"
 
 
-def test_the_ported_loop_is_bitwise_the_dense_loop_and_restores_exactly(backend: str) -> None:
-    batch = regression_batch()
-    history = kernel_loop(make_model(torch.bfloat16), batch)
+def test_the_ported_loop_is_bitwise_the_dense_loop_and_restores_exactly(backend: str, device: torch.device) -> None:
+    batch = regression_batch(device)
+    history = kernel_loop(make_model(torch.bfloat16, device), batch)
     assert history[-1]["rewards"] != history[0]["rewards"]
-    dense_loop(make_model(torch.bfloat16), batch, history)
+    dense_loop(make_model(torch.bfloat16, device), batch, history)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_loop_replayed_on_the_reference_backend_is_within_the_documented_tolerance(
-    backend: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    backend: str, dtype: torch.dtype, device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if backend == "reference":
         pytest.skip("the reference against itself is the bitwise test")
-    batch = regression_batch()
-    history = kernel_loop(make_model(dtype), batch)
+    batch = regression_batch(device)
+    history = kernel_loop(make_model(dtype, device), batch)
     monkeypatch.setenv("COPES_BACKEND", "reference")
-    model = make_model(dtype)
+    model = make_model(dtype, device)
     named = list(model.named_parameters())
     weights = ck.WeightSet.from_named(named)
     rounding = "nearest" if dtype == torch.float32 else "stochastic"

@@ -280,9 +280,34 @@ def run_agent(
     if not stop_strings and type(engine) is HFEngine:  # no tool call, no next turn: no row cache worth keeping
         engine = HFEngine(model, row_caches=False)
     engine.start_rollout()
+    # An engine that keeps each tool-calling row's cache until the row's next turn holds, turn-major, the caches of
+    # every row of the rollout at once; row-major (each batch of rows through all its turns before the next batch)
+    # bounds them by one generate call's rows, what the memory plan counts.
+    keeps_caches = bool(stop_strings) and getattr(engine, "keeps_row_caches", False)
+    size = config.batch_size or max(len(trajectories), 1)
+    everyone = list(range(len(trajectories)))
+    groups = [everyone[start : start + size] for start in range(0, len(everyone), size)] if keeps_caches else [everyone]
+    for group in groups:
+        _run_turns(engine, tokenizer, trajectories, group, tools, fmt, stop_strings, config, calls_made, max_turns,
+                   seed, row_context)
+        if keeps_caches:
+            engine.start_rollout()  # caches kept at the group's last turn serve no later call: free them now
 
+    for trajectory in trajectories:
+        if trajectory.finished_by is None:
+            trajectory.finished_by = "max_turns"
+    return trajectories
+
+
+def _run_turns(engine: Any, tokenizer: Any, trajectories: list[Trajectory], rows: list[int],
+               tools: Sequence[Tool], fmt: str | None, stop_strings: Sequence[str], config: AgentConfig,
+               calls_made: list[Counter[str]], max_turns: int, seed: int | None,
+               row_context: RowContext | None) -> None:
+    """Every turn of the trajectories `rows` (indices into `trajectories`), turn-major, in generate calls of at
+    most `config.batch_size` rows."""
+    tools_by_name = {tool.name: tool for tool in tools}
     for turn in range(max_turns):
-        active = [index for index, trajectory in enumerate(trajectories) if trajectory.finished_by is None]
+        active = [index for index in rows if trajectories[index].finished_by is None]
         if not active:
             break
         counts = prompt_token_counts(tokenizer, [trajectories[index].context for index in active])
@@ -344,8 +369,3 @@ def run_agent(
                 if fmt == "qwen"
                 else tag_results_suffix(observations)
             )
-
-    for trajectory in trajectories:
-        if trajectory.finished_by is None:
-            trajectory.finished_by = "max_turns"
-    return trajectories

@@ -11,6 +11,7 @@ weights; `start_rollout()` says the weights may have changed since the previous 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
 import torch
@@ -47,6 +48,14 @@ def engine_for(model: Any) -> RolloutEngine:
     return getattr(model, _ENGINE_ATTRIBUTE, None) or HFEngine(model)
 
 
+def use_expandable_segments() -> None:
+    """The CUDA caching allocator grows segments in place instead of caching fixed blocks: the HF engine's per-call
+    stores and kept caches come in many sizes, and without it the freed blocks fragment the 24 GB the plan fills.
+    A setting the user gave in PYTORCH_CUDA_ALLOC_CONF wins. (vLLM runs its own memory pool: not there.)"""
+    if "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
 def load_rollout_model(
     model: str, *, engine: str = "hf", device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
     kv_cache_gib: float | None = None, max_context_tokens: int | None = None, vllm_cpu_weights: str = "packed",
@@ -58,6 +67,8 @@ def load_rollout_model(
     torch's intra-op threads. `lora` (vLLM only) starts the engine with LoRA adapters enabled, for a batched
     low-rank population (copes.rollout.vllm.lora); the hf engine routes rows without it."""
     if engine == "hf":
+        if str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+            use_expandable_segments()
         loaded = load_model(model, device=device, dtype=dtype)
     elif engine == "vllm":
         from copes.rollout.vllm.engine import VLLMEngine  # imports vllm: only when asked for

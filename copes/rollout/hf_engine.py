@@ -224,6 +224,18 @@ class HFEngine:
         renamed = forward is not None and "cache" in inspect.signature(forward).parameters
         self._cache_argument = "cache" if renamed else "past_key_values"
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest context (prompt + generated tokens) the model takes: its max_position_embeddings."""
+        config = getattr(self.model, "config", None)
+        text = config.get_text_config() if config is not None else None
+        return getattr(text, "max_position_embeddings", None)
+
+    @property
+    def keeps_row_caches(self) -> bool:
+        """Whether a row that ends on a stop string keeps its cache until its next call (see `generate`)."""
+        return self.row_caches and drives(self.model)
+
     def start_rollout(self) -> None:
         """The weights may have changed: every row's cache was computed under the old ones."""
         self._states.clear()

@@ -145,12 +145,15 @@ def eval_examples(task: Task, cfg: TrainConfig, *, warn: bool) -> list[Example]:
     raise ConfigError(f"task {cfg.task} has no held-out split to evaluate on")
 
 
-def build_agent(cfg: TrainConfig, task: Task, *, rows: int | None) -> AgentConfig:
+def build_agent(cfg: TrainConfig, task: Task, *, rows: int | None, context_limit: int | None = None) -> AgentConfig:
     """The rollout settings: greedy decoding (the paper's), `rows` per generate call (None: all at once), the
-    limits, the tool-call format and budgets."""
+    limits, the tool-call format and budgets. `context_limit` (the engine's longest context) caps
+    --max-context-tokens at start, so a row that reaches it ends truncated instead of the engine refusing it
+    mid-run."""
     from copes.rollout import AgentConfig
 
-    limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=cfg.max_context_tokens,
+    context = min(cfg.max_context_tokens, context_limit) if context_limit else cfg.max_context_tokens
+    limits = dict(max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns, max_context_tokens=context,
                   greedy=True, batch_size=rows, tool_format=cfg.tool_format,
                   template_kwargs=cfg.template_kwargs, max_observation_tokens=cfg.max_observation_tokens)
     return AgentConfig.for_task(task, **limits, **({"budgets": cfg.tool_budgets} if cfg.tool_budgets else {}))

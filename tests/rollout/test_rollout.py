@@ -528,3 +528,21 @@ def test_hf_engine_routes_every_forward_to_its_rows_members(model, tokenizer):
     es.evaluate(fitness)
     assert outputs["engine"] == outputs["reference"]
     assert outputs["engine"] != generate_batch(model, tokenizer, PROMPTS, max_new_tokens=limits)
+
+
+def test_the_hf_engine_on_cuda_asks_the_allocator_for_expandable_segments(monkeypatch):
+    """Guards #35: the HF engine's stores and kept caches come in many sizes; the CUDA allocator now grows
+    segments in place (expandable_segments) unless the user set PYTORCH_CUDA_ALLOC_CONF, and only on CUDA."""
+    import copes.rollout.engine as engine_module
+
+    asked: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", asked.append)
+    monkeypatch.setattr(engine_module, "load_model", lambda *args, **kwargs: (None, None, torch.device("cpu")))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    engine_module.load_rollout_model("tiny", device="cpu")
+    assert asked == []
+    engine_module.load_rollout_model("tiny", device="cuda:1")
+    assert asked == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    engine_module.load_rollout_model("tiny", device="cuda")
+    assert asked == ["expandable_segments:True"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from copes.rollout import Trajectory
+from copes.run.config import build_config
 from copes.run.journal import journal_path
 from copes.run.scoring import MemberScoring, score_rollouts
 from copes.tasks import get_task
@@ -52,7 +53,7 @@ def test_background_scoring_records_every_member_in_order_with_the_in_line_rewar
 @pytest.mark.integration
 def test_overlapped_scoring_gives_the_in_line_journal_and_weights_bitwise(tmp_path):
     in_line, overlapped = tmp_path / "in_line", tmp_path / "overlapped"
-    for run_dir, flags in ((in_line, []), (overlapped, ["--overlap-scoring"])):
+    for run_dir, flags in ((in_line, ["--no-overlap-scoring"]), (overlapped, [])):
         result = copes_run(*STEPS, *flags, "--output-dir", str(run_dir))
         assert result.returncode == 0, result.stderr[-2000:]
     assert _journal_members(overlapped) == _journal_members(in_line)
@@ -60,9 +61,16 @@ def test_overlapped_scoring_gives_the_in_line_journal_and_weights_bitwise(tmp_pa
     assert_same_weights(final_weights(overlapped), final_weights(in_line))
     # Killed with step 2's second member in the weights (its predecessor possibly still scoring), then resumed.
     killed = tmp_path / "killed"
-    first = copes_run(*STEPS, "--overlap-scoring", "--output-dir", str(killed), env={"COPES_FAILPOINT": "member@6"})
+    first = copes_run(*STEPS, "--output-dir", str(killed), env={"COPES_FAILPOINT": "member@6"})
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
     resumed = copes_run("--resume", str(killed))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _journal_members(killed) == _journal_members(in_line)
     assert_same_weights(final_weights(killed), final_weights(in_line))
+
+
+def test_overlapped_scoring_is_the_default():
+    """Guards #35: scoring in line kept reward scoring (~30% of a step in a published ES fork) on the critical
+    path by default; the overlapped path is bitwise the same (the test above), so it is on unless turned off."""
+    assert build_config({}).overlap_scoring is True
+    assert build_config({"overlap_scoring": False}).overlap_scoring is False

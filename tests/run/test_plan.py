@@ -159,15 +159,16 @@ def test_the_run_takes_the_plans_rows_per_generate_call(tmp_path):
 
 
 def test_setup_floors_match_what_the_code_uses():
-    """transformers 5.2.0 is the first wheel with models/qwen3_5 (5.1.0 has none); triton.knobs first ships in
-    triton 3.4.0; torch.autograd.graph.increment_version takes a list of tensors from torch 2.5 (2.4's
-    _increment_version takes one tensor). Checked against the released wheels."""
+    """transformers 5.5 is the first with `transformers.cache_utils.LinearAttentionLayer`, which the HF engine
+    imports (#35 reproduced 5.2, the old floor, failing even `--plan`); triton.knobs first ships in triton 3.4.0;
+    torch.autograd.graph.increment_version takes a list of tensors from torch 2.5 (2.4's _increment_version takes
+    one tensor)."""
     import re
 
     text = (REPO / "setup.py").read_text()
     floors = {name: tuple(map(int, version.split(".")))
               for name, version in re.findall(r'"(torch|transformers|triton)>=([\d.]+)"', text)}
-    assert floors == {"torch": (2, 5), "transformers": (5, 2), "triton": (3, 4)}
+    assert floors == {"torch": (2, 5), "transformers": (5, 5), "triton": (3, 4)}
     assert "triton>=3.2" not in text
 
 
@@ -256,3 +257,86 @@ def test_the_plan_counts_a_prefill_chunk_once_per_call_and_the_caches_per_row():
     toolless = plan_for(build_config({"model": str(QWEN35), "device_memory_gib": 24, "tools": False, **PAPER}))
     assert not toolless.rollout.chunked and not toolless.per_call
     assert "prefill activations" in {line.what for line in toolless.per_row}
+
+
+@pytest.mark.parametrize("algorithm", ["eggroll", "copes-lowrank"])
+def test_a_low_rank_population_plans_prompt_batch_times_members_rows(algorithm):
+    """Guards #35: EGGROLL / copes-lowrank roll out prompt batch x population rows in one rollout (640 for the
+    shipped 4B config) while the plan sized one member's 16 and gave the agent no batch size, so all 640 went to
+    one generate call. The plan now counts the 640 and caps one call at the rows that fit."""
+    settings = {**PAPER, "algorithm": algorithm, "population": 40, "prompt_batch": 16, "device_memory_gib": 24,
+                **({"subspaces": 4} if algorithm == "copes-lowrank" else {"subspaces": 1})}
+    plan = plan_for(build_config({"model": str(QWEN35), **settings}))
+    assert plan.rows_per_step == plan.rows_wanted == 640
+    assert plan.fits and 1 <= plan.rows < 640 and plan.peak_bytes(plan.rows + 1) > plan.usable_bytes, plan.table()
+    assert plan.batch_size == plan.rows
+    assert "640 rows per step" in plan.summary() and f"{plan.rows} per generate call" in plan.summary()
+
+
+def test_a_low_rank_run_batches_its_population_by_the_plans_rows(tmp_path):
+    """Guards #35: the trainer's agent takes the plan's rows per call for a batched population (it got None, every
+    row in one call)."""
+    from copes.run.trainer import Trainer
+
+    settings = {"steps": 1, "eval_size": 0, "prompt_batch": 2, "population": 4, "algorithm": "eggroll",
+                "subspaces": 1, "output_dir": str(tmp_path), "device": "cpu", "device_memory_gib": 8}
+    roomy = plan_for(build_config(settings))
+    assert roomy.rows_wanted == roomy.rows_per_step == 8 and roomy.batch_size is None
+    card = (roomy.fixed_bytes + max(roomy.call_bytes, 0) + 3.5 * roomy.row_bytes + GIB) / 0.95 / GIB
+    trainer = Trainer(build_config({**settings, "device_memory_gib": card}), progress=False)
+    assert trainer.plan.rows == 3 and trainer.agent.batch_size == 3
+
+
+def test_the_plan_counts_decodes_repeated_kv_without_pack_gqa(monkeypatch):
+    """Guards #35: before transformers 5.23 (the device image's 5.17) a masked one-position SDPA call repeats every
+    row's K/V to the query heads over the whole context (2.9 GiB per attention layer at 11 rows x 16K), which the
+    plan did not count; it does when transformers lacks pack_gqa, and fits fewer rows."""
+    from transformers.integrations import sdpa_attention
+
+    cfg = build_config({"model": str(QWEN35), "device_memory_gib": 24, **PAPER})
+    packed = plan_for(cfg)
+    assert "decode K/V repeated" not in {line.what for line in packed.per_row}
+    monkeypatch.delattr(sdpa_attention, "pack_gqa")
+    repeated = plan_for(cfg)
+    lines = {line.what: line.bytes for line in repeated.per_row}
+    shape = repeated.shape
+    assert lines["decode K/V repeated"] == 2 * shape.heads * shape.head_dim * repeated.rollout.context_tokens * 2
+    assert repeated.row_bytes > packed.row_bytes and repeated.rows <= packed.rows
+
+
+def test_the_context_cap_is_clamped_to_the_engines_longest_context_at_start(tmp_path):
+    """Guards #35: --max-context-tokens (default 131072) was not clamped to what the engine takes (vLLM's
+    max_model_len, the model's max_position_embeddings), so a long row was refused mid-run; the agent now ends
+    such a row truncated at the engine's limit (64 positions for the embedded model)."""
+    from copes.run.trainer import Trainer
+
+    settings = {"steps": 1, "eval_size": 0, "prompt_batch": 2, "output_dir": str(tmp_path), "device": "cpu",
+                "device_memory_gib": 8}
+    trainer = Trainer(build_config(settings), progress=False)
+    assert trainer.model.config.max_position_embeddings == 64
+    assert trainer.agent.max_context_tokens == 64
+    small = Trainer(build_config({**settings, "max_context_tokens": 48}), progress=False)
+    assert small.agent.max_context_tokens == 48
+
+
+def test_a_cpu_plan_counts_the_host_process_against_the_ram_budget():
+    """Guards #35: `--device cpu` plans RAM, where the interpreter, torch and the kernels count too (0.74 GiB peak
+    RSS measured for a reduced-width run whose model and rollout the plan put at 0.02 GiB); a card has none."""
+    settings = {"model": str(QWEN35), "dtype": "bfloat16", "device_memory_gib": 22, "task": "gsm8k"}
+    cpu = plan_for(build_config({**settings, "device": "cpu"}))
+    cuda = plan_for(build_config({**settings, "device": "cuda"}))
+    assert {line.what: line.bytes for line in cpu.fixed}["host process"] > 0.5 * GIB
+    assert "host process" not in {line.what for line in cuda.fixed}
+    assert cpu.card_source == "stated" and cpu.usable_bytes < 22 * GIB
+
+
+def test_a_cpu_plan_budgets_available_memory_not_just_free_pages(monkeypatch):
+    """Guards #35: the CPU plan took MemFree, which counts the page cache as used: right after a 4B checkpoint was
+    read (8.4 GB of cache) a run that fits was refused. It takes MemAvailable."""
+    from copes.run import plan as plan_module
+
+    meminfo = "MemTotal:       24000000 kB\nMemFree:          500000 kB\nMemAvailable:   20000000 kB\n"
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: meminfo if str(self) == "/proc/meminfo"
+                        else real(self, *a, **k))
+    assert plan_module.available_host_bytes() == 20000000 * 1024
