@@ -54,7 +54,7 @@ from copes.modeling import EMBEDDED_MODEL_DIR, load_model
 from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
 from copes.tasks import get_task
 
-from harness import alternating_best_seconds, machine_note, report
+from common.harness import alternating_best_seconds, machine_note, report
 
 ModelShape = dict[str, int]
 # ~100M parameters in the decoder; the vocabulary is the embedded tiny tokenizer's (vLLM detokenizes with it).

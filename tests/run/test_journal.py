@@ -418,7 +418,8 @@ def test_journal_bench_measures_a_real_run_and_a_bitwise_replay(monkeypatch):
     Qwen3.5-architecture model journaled and replayed (the script asserts the replay is bitwise the run)."""
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import journal_cost
-    import models
+
+    from common import models
 
     tiny, = journal_cost.measure_tiny(MODEL, steps=2, population=4, subspaces=2, prompt_batch=4)
     assert 0 < tiny["journal_B_per_step"] < tiny["checkpoint_B"]
