@@ -22,7 +22,7 @@ from transformers import Qwen3ForCausalLM
 
 import copes_kernels as ck
 from copes.es.fitness import shape_fitness
-from copes.es.params import tensor_id_for
+from copes.es.selection import tensor_id_for
 from copes.es.strategies import EGGROLL, CoPESLowRank
 from copes.es.strategies.copes import step_seed
 

@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 import copes_kernels as ck
-from copes.es.params import ParameterSpace, select_parameters
+from copes.es.params import ParameterSpace
+from copes.es.selection import select_parameters
 from copes.es.strategies.base import (
     WHOLE_POPULATION,
     ESBase,
