@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue #24): one device call of at most 8 minutes, on a bare GPU image (python3 with
+# The prepared GPU check: one device call of at most 8 minutes, on a bare GPU image (python3 with
 # torch, triton, transformers, safetensors, numpy, click, pyyaml, pytest; no network, nothing installed).
 #
 #     OUT=/path/to/out bash bench/gpu_check.sh            # on a CUDA machine

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from copes.es.selection import tensor_id_for
+from copes.es.strategies.base import Strategy
 from copes.failpoints import failpoint
 from copes.run.config import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, build_config
 from copes.tasks.plugins import changed_source, user_sources
@@ -50,7 +51,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def strategy_identity(strategy: Any) -> dict[str, Any]:
+def strategy_identity(strategy: Strategy) -> dict[str, Any]:
     """The strategy's trajectory-fixing settings (its state_dict's `config`, JSON round-tripped so a header read
     back compares equal) and the noise id of every trainable tensor."""
     config = json.loads(json.dumps(strategy.state_dict()["config"]))
@@ -67,7 +68,7 @@ def copes_version() -> str:
         return "unknown (not installed)"
 
 
-def build_header(cfg: TrainConfig, model: torch.nn.Module, strategy: Any, model_path: str, *,
+def build_header(cfg: TrainConfig, model: torch.nn.Module, strategy: Strategy, model_path: str, *,
                  run_id: str) -> dict[str, Any]:
     """The journal's first record; `model` must still hold the base weights."""
     import transformers
@@ -95,7 +96,7 @@ def check_same_run(run_dir: str | Path, header: dict[str, Any], cfg: TrainConfig
         raise ConfigError(f"--resume {run_dir} refused: {changed}; the journaled rewards came from the old one")
 
 
-def check_same_model(run_dir: str | Path, header: dict[str, Any], model: torch.nn.Module, strategy: Any) -> None:
+def check_same_model(run_dir: str | Path, header: dict[str, Any], model: torch.nn.Module, strategy: Strategy) -> None:
     """Refuse a base model whose weights or trainable tensors are not the ones the run started from."""
     fingerprint = model_fingerprint(model)
     if fingerprint != header["model"]["fingerprint"]:

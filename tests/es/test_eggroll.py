@@ -346,7 +346,7 @@ def test_hybrid_member_only_perturbs_its_groups_matrices():
         (dict(fitness="median"), "fitness"),
         (dict(std_floor=-1.0), "std_floor"),
         (dict(update_precision="fp8"), "update_precision"),
-        (dict(full_rank_others=True), "full_rank_others"),
+        (dict(exclude="*"), "select no parameter"),
         (dict(include="*.bias"), "no nn.Linear weight"),
     ],
 )
