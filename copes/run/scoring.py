@@ -27,6 +27,7 @@ def score_rollouts(task: Task, examples: Sequence[Example], trajectories: Sequen
     return task.score_batch([t.final_text for t in trajectories], list(examples), [t.used_tool for t in trajectories])
 
 
+# rollouts and roll_out take the same keywords on purpose: rollouts is roll_out followed by the scoring.
 def rollouts(
     model: Any,
     tokenizer: Any,
