@@ -29,7 +29,7 @@ import torch
 import copes_kernels as ck
 from copes_kernels.backends import reference
 
-from harness import DEVICE, POPULATION, RESULTS_DIR, SIGMA, SUBSPACES, device_label, element_masks, seeded_randn
+from common.harness import DEVICE, POPULATION, RESULTS_DIR, SIGMA, SUBSPACES, device_label, element_masks, seeded_randn
 
 IMPLEMENTATIONS = ("copes", "reference", "naive") if DEVICE.type == "cpu" else ("copes", "naive")
 # The CPU ops take 0.1-600 ms each: five timed rounds after one warm-up, and the fastest one is reported, since a

@@ -21,7 +21,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from models import (
+from transformers import PreTrainedModel
+
+import copes
+from copes.es.strategies.eggroll import RowMembers
+from copes.modeling import load_model
+
+from common.harness import DEVICE, SIGMA, alternating_best_seconds, machine_note, pin_one_thread, report, synchronize
+from common.models import (
     add_large_model_arguments,
     build_large_model,
     greedy_generate,
@@ -29,13 +36,6 @@ from models import (
     parameter_count,
     random_prompts,
 )
-from transformers import PreTrainedModel
-
-import copes
-from copes.es.strategies.eggroll import RowMembers
-from copes.modeling import load_model
-
-from harness import DEVICE, SIGMA, alternating_best_seconds, machine_note, pin_one_thread, report, synchronize
 
 GOAL_RATIO = 0.91
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}

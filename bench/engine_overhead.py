@@ -21,7 +21,16 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from copes.es.params import ParameterSpace
 
-from harness import DEVICE, POPULATION, SIGMA, SUBSPACES, alternating_best_seconds, machine_note, pin_one_thread, report
+from common.harness import (
+    DEVICE,
+    POPULATION,
+    SIGMA,
+    SUBSPACES,
+    alternating_best_seconds,
+    machine_note,
+    pin_one_thread,
+    report,
+)
 
 SEED = 5
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue #24): one device call of at most 8 minutes, on a bare GPU image (python3 with
+# The prepared GPU check: one device call of at most 8 minutes, on a bare GPU image (python3 with
 # torch, triton, transformers, safetensors, numpy, click, pyyaml, pytest; no network, nothing installed).
 #
 #     OUT=/path/to/out bash bench/gpu_check.sh            # on a CUDA machine
 #     OUT=/tmp/out bash bench/gpu_check.sh --cpu-dry-run  # the same logic on the CPU at small shapes (CI)
 #
-# Phases (bench/gpu_check.py says what each measures), each in its own process under its own timeout:
+# Phases (bench/device/gpu_check.py says what each measures), each in its own process under its own timeout:
 #   kernels     kernels_tests without the CPU-backend and lowering suites; versions and SASS counts, printed
 #   shapes      a random-init Qwen3.5-4B-shaped bf16 model: bitwise perturb/restore per restore mode,
 #               multi- vs per-tensor equality, member and update times, peak memory, the checksum's peak
@@ -35,7 +35,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 echo "phase,status,seconds" >"$WORK/phases.csv"
 
-# phase NAME TIMEOUT_S: bench/gpu_check.py NAME under min(TIMEOUT_S, what is left of the budget), logged to
+# phase NAME TIMEOUT_S: bench/device/gpu_check.py NAME under min(TIMEOUT_S, what is left of the budget), logged to
 # $WORK/NAME.log; prints one line: the status, the seconds, and the phase's own summary (its log's last line).
 phase() {
     local name=$1 limit=$2
@@ -50,7 +50,7 @@ phase() {
     [ "$limit" -gt "$left" ] && limit=$left
     local start=$SECONDS
     GPU_CHECK_PHASE_LIMIT_S=$limit timeout --kill-after=5 "$limit" \
-        "$PYTHON" bench/gpu_check.py "$name" --work "$WORK" "${DRY_RUN[@]}" >"$WORK/$name.log" 2>&1
+        "$PYTHON" bench/device/gpu_check.py "$name" --work "$WORK" "${DRY_RUN[@]}" >"$WORK/$name.log" 2>&1
     local rc=$? result=passed
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then result="timeout after ${limit}s"; status=1
     elif [ $rc -eq 3 ]; then result="not run"  # bench/gpu_check.py's NOT_RUN: nothing to check here, not a pass

@@ -24,16 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from models import (
-    LargeModelShape,
-    add_large_model_arguments,
-    build_large_model,
-    greedy_log_likelihood,
-    large_model_shape,
-    parameter_count,
-    random_prompts,
-    train_config,
-)
 from safetensors.torch import save_file
 
 import copes
@@ -43,7 +33,17 @@ from copes.run.journal import JournalContents, JournalWriter, RunJournal, build_
 from copes.run.replay import replay_run, replay_steps
 from copes.run.trainer import Trainer
 
-from harness import machine_note, pin_one_thread, report
+from common.harness import machine_note, pin_one_thread, report
+from common.models import (
+    LargeModelShape,
+    add_large_model_arguments,
+    build_large_model,
+    greedy_log_likelihood,
+    large_model_shape,
+    parameter_count,
+    random_prompts,
+    train_config,
+)
 
 
 def folder_bytes(folder: Path) -> int:

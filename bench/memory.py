@@ -26,8 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from memory_probe import PeakMemory, compare_weights, reset_weights, snapshot
-from models import (
+from transformers import PreTrainedModel
+
+import copes_kernels as ck
+from copes.es.params import ParameterSpace
+
+from common.harness import SIGMA, machine_note, pin_one_thread, report
+from common.memory_probe import PeakMemory, compare_weights, reset_weights, snapshot
+from common.models import (
     add_large_model_arguments,
     build_large_model,
     large_model_shape,
@@ -35,12 +41,6 @@ from models import (
     random_prompts,
     weight_bytes,
 )
-from transformers import PreTrainedModel
-
-import copes_kernels as ck
-from copes.es.params import ParameterSpace
-
-from harness import SIGMA, machine_note, pin_one_thread, report
 
 SEED, MEMBER = 5, 0
 

@@ -26,7 +26,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import copes_kernels as ck
 
-from harness import DEVICE, alternating_best_seconds, machine_note, pin_one_thread, report
+from common.harness import DEVICE, alternating_best_seconds, machine_note, pin_one_thread, report
 
 SIGMA, LR = 1e-3, 5e-4
 

@@ -1,6 +1,6 @@
-"""Rollout engines side by side: Hugging Face `generate` (the baseline: what copes' HF engine was before issue
-24), copes' HF engine (copes.rollout.hf_engine: per-row prefill, finished rows leave the batch) and vLLM (weights
-perturbed in place inside the engine), vLLM with plain linear weights (F.linear, as HF) and with packed ones
+"""Rollout engines side by side: Hugging Face `generate` (the baseline: what copes ran before it had an HF engine
+of its own), copes' HF engine (copes.rollout.hf_engine: per-row prefill, finished rows leave the batch) and vLLM
+(weights perturbed in place inside the engine), vLLM with plain linear weights (F.linear, as HF) and with packed ones
 (vLLM's oneDNN copies, repacked after each weight change).
 
 Same random ~100M-parameter Qwen3 model (built locally, saved once, loaded by every engine), same prompts, same
@@ -54,7 +54,7 @@ from copes.modeling import EMBEDDED_MODEL_DIR, load_model
 from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
 from copes.tasks import get_task
 
-from harness import alternating_best_seconds, machine_note, report
+from common.harness import alternating_best_seconds, machine_note, report
 
 ModelShape = dict[str, int]
 # ~100M parameters in the decoder; the vocabulary is the embedded tiny tokenizer's (vLLM detokenizes with it).

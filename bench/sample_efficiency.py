@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from models import add_preset_arguments, preset_overrides, train_config
 from transformers.utils import logging as hf_logging
 
 from copes.run.trainer import Trainer
 
-from harness import RESULTS_DIR, machine_note, pin_one_thread, report, write_csv
+from common.harness import RESULTS_DIR, machine_note, pin_one_thread, report, write_csv
+from common.models import add_preset_arguments, preset_overrides, train_config
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "ES (K=1)": {"algorithm": "es"},

@@ -29,7 +29,7 @@ from types import ModuleType
 from copes.tools import PythonSandbox
 from copes.tools.sandbox import landlock
 
-from harness import alternating_best_seconds, machine_note, report
+from common.harness import alternating_best_seconds, machine_note, report
 
 REPO = Path(__file__).resolve().parents[1]
 TRIVIAL_PROGRAM = "print(sum(range(10)))"

@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from models import (
+
+import copes
+from copes.es.strategies import StepStats
+from copes.run.components import batch_indices
+from copes.run.trainer import Trainer
+
+from common.harness import machine_note, pin_one_thread, report
+from common.models import (
     LargeModelShape,
     add_large_model_arguments,
     add_preset_arguments,
@@ -37,13 +44,6 @@ from models import (
     random_prompts,
     train_config,
 )
-
-import copes
-from copes.es.strategies import StepStats
-from copes.run.components import batch_indices
-from copes.run.trainer import Trainer
-
-from harness import machine_note, pin_one_thread, report
 
 GOAL_OVERHEAD = 0.05
 ENGINE_PHASES = ("perturb", "restore", "update")

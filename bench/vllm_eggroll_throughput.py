@@ -37,7 +37,7 @@ from copes.modeling import load_model
 from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
 from copes.rollout.vllm.lora import LoRASlots
 
-from harness import alternating_best_seconds, machine_note, report
+from common.harness import alternating_best_seconds, machine_note, report
 
 GOAL_CPU, GOAL_GPU = 0.7, 0.9
 

@@ -39,10 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memory_probe import PeakMemory
-from models import train_config
-
-from harness import RESULTS_DIR, machine_note, pin_one_thread, report, write_csv
+from common.harness import RESULTS_DIR, machine_note, pin_one_thread, report, write_csv
+from common.memory_probe import PeakMemory
+from common.models import train_config
 
 GRPO = "GRPO (TRL)"
 # Each ES method as `copes-run --algorithm X` runs it: the tiny model's preset for X (copes/assets/tiny/copes.yaml,

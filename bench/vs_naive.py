@@ -21,12 +21,10 @@ from functools import partial
 from typing import Any
 
 import torch
-from memory_probe import PeakMemory, RestoreCheck, compare_weights, reset_weights, snapshot
-from models import add_large_model_arguments, build_large_model, large_model_shape, parameter_count, weight_bytes
 
 from copes.es.params import ParameterSpace
 
-from harness import (
+from common.harness import (
     SIGMA,
     SUBSPACES,
     alternating_best_seconds,
@@ -36,6 +34,8 @@ from harness import (
     report,
     seeded_randn,
 )
+from common.memory_probe import PeakMemory, RestoreCheck, compare_weights, reset_weights, snapshot
+from common.models import add_large_model_arguments, build_large_model, large_model_shape, parameter_count, weight_bytes
 
 # K = 1 is standard ES; K = SUBSPACES (4, the paper's default) is the only K the naive element masks are built for.
 SUBSPACE_COUNTS = (1, SUBSPACES)

@@ -116,6 +116,8 @@ def check_perturb_args(
     check_chunking(dst, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
 
 
+# check_restore_args takes the layout keywords of check_perturb_args (the ops' own keyword lists), which is why
+# their signatures look alike; the checks differ.
 def check_restore_args(
     dst: torch.Tensor,
     backup: torch.Tensor,

@@ -191,6 +191,8 @@ def _device_rule(name: str) -> Callable[[tuple[Any, ...], dict[str, Any]], torch
 
 
 PUBLIC_OPS = {name: dispatched(name, _device_rule(name)) for name in OP_NAMES}
+# One module-level name per op, spelled out (not a globals() loop) so IDEs, type checkers and `from copes_kernels
+# import perturb_` see them; each line is the same shape by design.
 philox4x32_10 = PUBLIC_OPS["philox4x32_10"]
 normal = PUBLIC_OPS["normal"]
 perturb_ = PUBLIC_OPS["perturb_"]

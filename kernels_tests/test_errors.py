@@ -133,3 +133,26 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         ck.backend_for("cpu")
     with pytest.raises(ValueError, match="COPES_BACKEND must be one of"):
         ck.normal(4, seed=0, member=0, tensor_id=0)
+
+
+# The ops whose signature, docstring and checks come from one template in copes_kernels._public_ops.
+TEMPLATED_OPS = ("perturb_", "accumulate_", "backup_chunks", "restore_chunks_", "lowrank_factors", "lowrank_linear",
+                 "lowrank_accumulate_", "multi_accumulate_")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_every_backend_op_has_the_reference_signature_and_docstring(backend: str) -> None:
+    """Every backend's ops take the reference's keywords and defaults, and the templated ones carry its docstring:
+    a backend that drifted (a renamed keyword, another default) would take the same call differently."""
+    import importlib
+    import inspect
+
+    from copes_kernels.backends import OP_NAMES, reference
+
+    package = importlib.import_module(f"copes_kernels.backends.{backend}")
+    for name in OP_NAMES:
+        ours, theirs = getattr(package, name), getattr(reference, name)
+        assert inspect.signature(ours) == inspect.signature(theirs), name
+    for name in TEMPLATED_OPS:
+        summary = inspect.cleandoc(getattr(reference, name).__doc__).splitlines()[0]
+        assert inspect.cleandoc(getattr(package, name).__doc__).splitlines()[0] == summary, name

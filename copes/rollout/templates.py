@@ -29,8 +29,8 @@ from typing import Any
 from jinja2 import TemplateError
 
 from copes.choices import TOOL_FORMATS
+from copes.text import valid_unicode
 from copes.tools import Tool, tool_schema
-from copes.tools.text import valid_unicode
 
 QWEN_CALL_OPEN, QWEN_CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"

@@ -12,7 +12,6 @@ intact checkpoint that carries the journal's `run_id` in trainer_state.json, onl
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from copes.errors import UserError
 from copes.failpoints import failpoint
+from copes.user_code import sha256_of
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -55,14 +55,6 @@ def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(skeleton, list):
         return [unflatten_state(v, tensors) for v in skeleton]
     return skeleton
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -101,7 +93,7 @@ def save_checkpoint(
     (staging / "es_state.json").write_text(json.dumps(skeleton, indent=1), encoding="utf-8")
     (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
     failpoint("checkpoint")  # crash tests: die with a checkpoint half written
-    manifest = {path.name: _sha256(path) for path in sorted(staging.iterdir())}
+    manifest = {path.name: sha256_of(path) for path in sorted(staging.iterdir())}
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     _fsync_tree(staging)
     shutil.rmtree(final, ignore_errors=True)  # a re-run of the same step replaces its own old copy
@@ -135,7 +127,7 @@ def verify_checkpoint(folder: Path) -> None:
         raise UserError(f"checkpoint {folder} has no readable {MANIFEST}: {error}") from None
     for name, expected in manifest.items():
         file = folder / name
-        if not file.is_file() or _sha256(file) != expected:
+        if not file.is_file() or sha256_of(file) != expected:
             raise UserError(f"checkpoint {folder} is corrupt: {name} is missing or does not match its checksum")
 
 

@@ -18,6 +18,7 @@ checksum fails, a record out of order or a step missing a member is an error nam
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import zlib
@@ -27,7 +28,8 @@ from typing import Any
 
 import torch
 
-from copes.es.params import tensor_id_for
+from copes.es.selection import tensor_id_for
+from copes.es.strategies.base import Strategy
 from copes.failpoints import failpoint
 from copes.run.config import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, build_config
 from copes.tasks.plugins import changed_source, user_sources
@@ -49,7 +51,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def strategy_identity(strategy: Any) -> dict[str, Any]:
+def strategy_identity(strategy: Strategy) -> dict[str, Any]:
     """The strategy's trajectory-fixing settings (its state_dict's `config`, JSON round-tripped so a header read
     back compares equal) and the noise id of every trainable tensor."""
     config = json.loads(json.dumps(strategy.state_dict()["config"]))
@@ -57,16 +59,23 @@ def strategy_identity(strategy: Any) -> dict[str, Any]:
     return {"strategy": config, "tensor_ids": {name: tensor_id_for(name) for name in names}}
 
 
-def build_header(cfg: TrainConfig, model: torch.nn.Module, strategy: Any, model_path: str, *,
+def copes_version() -> str:
+    """The installed copes distribution's version, read from its metadata (this layer never imports the package's
+    face); a source checkout used through PYTHONPATH alone has no metadata and says so."""
+    try:
+        return importlib.metadata.version("copes")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_header(cfg: TrainConfig, model: torch.nn.Module, strategy: Strategy, model_path: str, *,
                  run_id: str) -> dict[str, Any]:
     """The journal's first record; `model` must still hold the base weights."""
     import transformers
 
-    import copes
-
     return {
         "kind": "header", "format": FORMAT_VERSION, "run_id": run_id,
-        "versions": {"copes": copes.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {"copes": copes_version(), "torch": torch.__version__, "transformers": transformers.__version__},
         "config": cfg.to_dict(),
         "user_sources": user_sources(cfg.task, cfg.task_options, cfg.reward),
         "model": {"name": cfg.model, "path": model_path, "fingerprint": model_fingerprint(model)},
@@ -87,7 +96,7 @@ def check_same_run(run_dir: str | Path, header: dict[str, Any], cfg: TrainConfig
         raise ConfigError(f"--resume {run_dir} refused: {changed}; the journaled rewards came from the old one")
 
 
-def check_same_model(run_dir: str | Path, header: dict[str, Any], model: torch.nn.Module, strategy: Any) -> None:
+def check_same_model(run_dir: str | Path, header: dict[str, Any], model: torch.nn.Module, strategy: Strategy) -> None:
     """Refuse a base model whose weights or trainable tensors are not the ones the run started from."""
     fingerprint = model_fingerprint(model)
     if fingerprint != header["model"]["fingerprint"]:

@@ -112,7 +112,7 @@ def model_shape(config: Any, include: list[str] | None = None, exclude: list[str
     import torch
     from transformers import AutoModelForCausalLM
 
-    from copes.es.params import select_parameters
+    from copes.es.selection import select_parameters
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

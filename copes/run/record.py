@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from copes.errors import ConfigError
+from copes.es.strategies.base import Strategy
 from copes.run import checkpoint as ckpt
 from copes.run.config import DEFAULT_OUTPUT_DIR, TrainConfig
 from copes.run.journal import JOURNAL_NAME, JournalWriter, RunJournal, build_header, journal_path
@@ -96,7 +97,7 @@ class RunRecord:
         self.out = Path(self.cfg.output_dir)
         check_writable(self.out)
 
-    def start_journal(self, model: torch.nn.Module, strategy: Any, model_path: str,
+    def start_journal(self, model: torch.nn.Module, strategy: Strategy, model_path: str,
                       share: Callable[[str], str] = lambda value: value) -> None:
         """A fresh journal for a new run; `share` hands rank 0's run id to every rank."""
         run_id = share(uuid.uuid4().hex)
@@ -108,7 +109,7 @@ class RunRecord:
             writer = JournalWriter.create(journal_path(self.out), header)
         self.journal = RunJournal(run_id, writer)
 
-    def resume(self, path: str, model: torch.nn.Module, strategy: Any, *, progress: bool) -> int:
+    def resume(self, path: str, model: torch.nn.Module, strategy: Strategy, *, progress: bool) -> int:
         """Continue the run journaled in `path` (its newest checkpoint plus a replay of every journaled update
         after it); returns the number of steps done."""
         resumed = resume_run(path, self.cfg, model, strategy, writer=self.writer, progress=progress)
@@ -141,7 +142,7 @@ class RunRecord:
         self.journal.record_update(step, record)
         self.metrics.append(record)
 
-    def save(self, step: int, model: torch.nn.Module, tokenizer: Any, strategy: Any) -> None:
+    def save(self, step: int, model: torch.nn.Module, tokenizer: Any, strategy: Strategy) -> None:
         if self.writer:
             state = {"step": step, "config": self.cfg.to_dict(), "eval_before": self.eval_before, "evals": self.evals,
                      "run_id": self.journal.run_id}

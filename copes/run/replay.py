@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from copes.choices import PER_MEMBER_ALGORITHMS
+from copes.es.strategies.base import Strategy
 from copes.rollout.vllm.views import stored_tensors
 from copes.run import checkpoint as ckpt
 from copes.run.config import ConfigError, TrainConfig
@@ -31,12 +32,12 @@ def replays_members(cfg: TrainConfig) -> bool:
     return cfg.algorithm in PER_MEMBER_ALGORITHMS and cfg.restore == "subtract"
 
 
-def replay_member(strategy: Any, member: int, rewards: torch.Tensor) -> None:
+def replay_member(strategy: Strategy, member: int, rewards: torch.Tensor) -> None:
     """Perturb and restore `member` as its evaluation did, answering with its journaled rewards."""
     strategy.evaluate_member(member, lambda _model: rewards)
 
 
-def replay_steps(strategy: Any, contents: JournalContents, first: int, last: int, *, with_members: bool,
+def replay_steps(strategy: Strategy, contents: JournalContents, first: int, last: int, *, with_members: bool,
                  progress: bool) -> None:
     """Apply the journaled updates of steps first..last (counted from 1) to a strategy that completed first - 1."""
     for step in tqdm(range(first, last + 1), desc="replaying journal", disable=not progress, leave=False):
@@ -79,7 +80,7 @@ def newest_checkpoint(run_dir: Path, run_id: str, steps_done: int) -> Checkpoint
     return None
 
 
-def load_checkpoint_into(checkpoint: Checkpoint, model: torch.nn.Module, strategy: Any) -> None:
+def load_checkpoint_into(checkpoint: Checkpoint, model: torch.nn.Module, strategy: Strategy) -> None:
     weights = type(model).from_pretrained(checkpoint.folder, dtype=model.dtype).state_dict()
     # A parameter kept wider than the model's dtype (the vLLM engine's fp32 A_log) comes back at its own precision.
     wider = {name for name, param in model.named_parameters() if param.dtype != model.dtype}
@@ -95,7 +96,7 @@ class Resumed:
     checkpoint_step: int | None  # the step of the checkpoint replay started from (None: the base model)
 
 
-def resume_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, strategy: Any, *, writer: bool,
+def resume_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, strategy: Strategy, *, writer: bool,
                progress: bool) -> Resumed:
     """Check the journal against this run, load its newest checkpoint (or keep the base model, which the model
     must still be), replay every journaled update after it, and open the journal for appending (`writer`: rank 0)."""

@@ -35,6 +35,7 @@ def row_prompts(task: Task, rows: Sequence[Example]) -> list[Any]:
     return start(list(rows)) if start is not None else [task.prompt(example) for example in rows]
 
 
+# rollouts and roll_out take the same keywords on purpose: rollouts is roll_out followed by the scoring.
 def rollouts(
     model: Any,
     tokenizer: Any,

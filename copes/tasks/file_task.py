@@ -146,12 +146,6 @@ class FileTask(RewardScored, TaskBase):
             splits["validation"] = read_rows(eval_file, required)
         return splits
 
-    @property
-    def data_files(self) -> list[str]:
-        """The local files the rows come from (the journal records their sha256)."""
-        return ([] if self.source.startswith(HUB_PREFIX)
-                else [self.source, *([self.eval_file] if self.eval_file else [])])
-
     def examples(self, split: str, limit: int | None = None) -> list[Example]:
         # "validation" and "test" both mean the held-out rows, whichever split they came from.
         held_out = next((s for s in self._rows if s != "train"), None)

@@ -15,7 +15,6 @@ the task module and each reward module. The journal records them, and a resume w
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,14 +25,11 @@ from copes.rewards.functions import (
     DEFAULT_TIMEOUT_S,
     REWARD_NAMES,
     RewardSet,
-    import_object,
-    is_import_path,
-    module_source,
     resolve_reward,
-    sha256_of,
 )
 from copes.tasks.base import Example, Task, get_task, task_names
 from copes.tasks.file_task import HUB_PREFIX, FileTask, RewardScored, is_dataset_file, parse_hub_spec
+from copes.user_code import import_object, is_import_path, module_source, sha256_of
 
 RewardSpec = str | Callable[..., Any]
 TASK_FORMS = "a task name, a .jsonl/.json/.parquet file, hf:OWNER/NAME[:CONFIG] or MODULE:FACTORY"
@@ -109,17 +105,10 @@ def with_rewards(task: Task, rewards: Sequence[RewardSpec], reward_weights: Sequ
 # Identity of the user's code and data.
 
 
-def _folder_sha256(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest.update(f"{path.relative_to(folder)}\0{sha256_of(path)}\0".encode())
-    return digest.hexdigest()
-
-
 def _source_of(path: Path | None) -> dict[str, str | None]:
     if path is None or not path.exists():
         return {"path": None, "sha256": None}
-    return {"path": str(path.resolve()), "sha256": _folder_sha256(path) if path.is_dir() else sha256_of(path)}
+    return {"path": str(path.resolve()), "sha256": sha256_of(path)}
 
 
 def user_sources(spec: str, options: dict[str, Any], rewards: Sequence[RewardSpec]) -> dict[str, dict[str, str | None]]:

@@ -34,6 +34,8 @@ QA_INSTRUCTION = (
 class QATask(DatasetTask):
     """A QA dataset as a `Task`; `splits` maps each split name to a function building its examples."""
 
+    # The same class head as MathTask's (kind, chat, a name and its splits): each dataset family keeps its own
+    # options after them.
     kind = "qa"
     chat = True
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import signal
 from typing import Any, Protocol
 
+from copes.text import valid_unicode
 from copes.tools.sandbox import PythonSandbox, SandboxResult, SandboxUnavailable
 from copes.tools.search import BM25Search, HttpRetriever, SearchError
-from copes.tools.text import valid_unicode
 
 
 class Tool(Protocol):

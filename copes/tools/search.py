@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from copes.extras import require
-from copes.tools.text import valid_unicode
+from copes.text import valid_unicode
 
 if TYPE_CHECKING:
     import bm25s

@@ -5,7 +5,8 @@ same signature and the same contract (see docs/noise-contract.md).
     cpu/        numba (LLVM) loops over fixed tiles, multi-threaded: the CPU training path
     triton/     Triton kernels: CUDA tensors (and CPU tensors through Triton's interpreter, for tests)
 
-A backend imports the contract (rng, partition, run_tables, _validate), never the dispatcher or another backend.
+A backend imports the contract (rng, partition, run_tables, _validate, _public_ops), never the dispatcher or another
+backend.
 This package imports none of them: the dispatcher loads a backend on its first op, so numba and triton load only
 where they run.
 """

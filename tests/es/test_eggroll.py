@@ -22,7 +22,7 @@ from transformers import Qwen3ForCausalLM
 
 import copes_kernels as ck
 from copes.es.fitness import shape_fitness
-from copes.es.params import tensor_id_for
+from copes.es.selection import tensor_id_for
 from copes.es.strategies import EGGROLL, CoPESLowRank
 from copes.es.strategies.copes import step_seed
 
@@ -346,7 +346,7 @@ def test_hybrid_member_only_perturbs_its_groups_matrices():
         (dict(fitness="median"), "fitness"),
         (dict(std_floor=-1.0), "std_floor"),
         (dict(update_precision="fp8"), "update_precision"),
-        (dict(full_rank_others=True), "full_rank_others"),
+        (dict(exclude="*"), "select no parameter"),
         (dict(include="*.bias"), "no nn.Linear weight"),
     ],
 )

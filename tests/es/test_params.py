@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from copes.es.params import ParameterSpace, tensor_id_for
+from copes.es.params import ParameterSpace
+from copes.es.selection import tensor_id_for
 
 from helpers.es_helpers import DTYPES, dense_member_noise, flat_weights, toy_mlp
 
@@ -343,7 +344,7 @@ def test_sub_ulp_16bit_tensors_are_left_out_by_name():
     almost all their elements, so ES would see nothing and the update would random-walk them."""
     import warnings
 
-    from copes.es.params import rounds_away_fraction
+    from copes.es.selection import rounds_away_fraction
     from copes.es.strategies import CoPES
 
     from helpers.tiny_models import tiny_qwen3

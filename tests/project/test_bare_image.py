@@ -41,9 +41,9 @@ def test_engine_benchmarks_and_kernel_tests_import_without_the_optional_extras(t
                 if not module.name.startswith("copes_kernels.backends.cpu"):  # the compiled CPU backend is numba
                     importlib.import_module(module.name)
         print("cpu tensors run on:", copes_kernels.backend_for("cpu"))
-        for script in ("harness", "models", "memory_probe", "bench_kernels", "step_overhead", "vs_naive", "memory",
-                       "eggroll_throughput", "sample_efficiency", "copes_vs_es_mlp", "engine_overhead", "journal_cost",
-                       "sandbox_throughput", "vs_grpo", "openai_es_loop"):
+        for script in ("common.harness", "common.models", "common.memory_probe", "bench_kernels", "step_overhead",
+                       "vs_naive", "memory", "eggroll_throughput", "sample_efficiency", "copes_vs_es_mlp",
+                       "engine_overhead", "journal_cost", "sandbox_throughput", "vs_grpo", "openai_es_loop"):
             importlib.import_module(script)
         for test_module in ("test_rng", "test_perturb", "test_update", "test_lowrank", "test_multi_tensor",
                             "test_partition", "test_errors", "test_lowering", "test_examples", "test_embedding_api",
@@ -73,7 +73,7 @@ def test_engine_benchmarks_and_kernel_tests_import_without_the_optional_extras(t
 def test_gpu_check_installs_nothing_and_without_a_gpu_says_so_in_its_one_tarball(tmp_path: Path) -> None:
     """Without a GPU the script stops before its phases with one line, and still returns its one tarball."""
     script = REPO / "bench" / "gpu_check.sh"
-    for source in (script, REPO / "bench" / "gpu_check.py"):
+    for source in (script, REPO / "bench" / "device" / "gpu_check.py"):
         assert not re.search(r"\bpip\b|install ", source.read_text().replace("installs nothing", "")), source
     result = subprocess.run(
         ["bash", str(script)], capture_output=True, text=True, timeout=120,

@@ -25,14 +25,12 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import eggroll_throughput  # noqa: E402
 import memory  # noqa: E402
-import memory_probe  # noqa: E402
-import models  # noqa: E402
 import sample_efficiency  # noqa: E402
 import sandbox_throughput  # noqa: E402
 import step_overhead  # noqa: E402
 import vs_naive  # noqa: E402
 
-import harness  # noqa: E402
+from common import harness, memory_probe, models  # noqa: E402
 
 # A 4-layer Qwen3.5-architecture model (three linear-attention layers, one full-attention) of 0.24M parameters.
 SMALL_SHAPE = models.LargeModelShape(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4)

@@ -42,3 +42,14 @@ def test_every_config_field_is_in_the_configuration_reference() -> None:
 def test_the_readme_fits_on_a_few_screens() -> None:
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 160, f"README.md has {len(lines)} lines; move detail into docs/"
+
+
+def test_bench_readme_lists_every_measurement_script() -> None:
+    """bench/README.md's table has a row per measurement script (bench/*.py; the shared code and the GPU check's
+    parts live in bench/common/ and bench/device/), each naming the doc that holds its result."""
+    rows = {line.split("|")[1].strip(): line for line in (REPO / "bench" / "README.md").read_text().splitlines()
+            if line.startswith("| `")}
+    scripts = sorted(path.name for path in (REPO / "bench").glob("*.py"))
+    missing = [name for name in scripts if f"`{name}`" not in rows]
+    assert not missing, f"bench/README.md's table does not list: {missing}"
+    assert all("../docs/" in rows[f"`{name}`"] for name in scripts), "every row links the doc with its result"

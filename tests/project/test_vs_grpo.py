@@ -111,7 +111,7 @@ def test_memory_of_one_grpo_update_exceeds_one_es_member():
 
 @pytest.mark.slow
 def test_the_default_run_writes_the_race_and_the_memory_measured_beside_it(tmp_path, monkeypatch, capsys):
-    import harness
+    from common import harness
 
     for module in (harness, vs_grpo):
         monkeypatch.setattr(module, "RESULTS_DIR", tmp_path)

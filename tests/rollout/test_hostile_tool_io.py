@@ -25,8 +25,8 @@ from copes.rollout.generate import generate_batch, prompt_token_counts
 from copes.rollout.templates import observation_text, parse_tool_calls
 from copes.run.components import task_corpus
 from copes.tasks import get_task
+from copes.text import valid_unicode
 from copes.tools import BM25Search, HttpRetriever, PythonTool, SearchError, SearchTool
-from copes.tools.text import valid_unicode
 
 from helpers.datadir import DATA_DIR
 from helpers.paths import REPO

@@ -420,7 +420,8 @@ def test_journal_bench_measures_a_real_run_and_a_bitwise_replay(monkeypatch):
     Qwen3.5-architecture model journaled and replayed (the script asserts the replay is bitwise the run)."""
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import journal_cost
-    import models
+
+    from common import models
 
     tiny, = journal_cost.measure_tiny(MODEL, steps=2, population=4, subspaces=2, prompt_batch=4)
     assert 0 < tiny["journal_B_per_step"] < tiny["checkpoint_B"]
@@ -429,3 +430,14 @@ def test_journal_bench_measures_a_real_run_and_a_bitwise_replay(monkeypatch):
     large, = journal_cost.measure_large(shape, steps=1, population=4, subspaces=2, prompt_batch=2, prompt_tokens=4,
                                         new_tokens=2)
     assert large["journal_B_per_step"] > 0 and large["replay_s_per_step"] > 0
+
+
+def test_the_header_version_is_the_installed_distributions() -> None:
+    """journal.py reads the version from package metadata (it may not import the package face, which sits above the
+    durable run): the metadata and `copes.__version__` must agree, or the header would record a stale one."""
+    import importlib.metadata
+
+    import copes
+    from copes.run.journal import copes_version
+
+    assert copes_version() == importlib.metadata.version("copes") == copes.__version__

@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 import copes_kernels as ck
-from copes.es.params import ParameterSpace, select_parameters
+from copes.es.params import ParameterSpace
+from copes.es.selection import select_parameters
 from copes.es.strategies.base import (
     WHOLE_POPULATION,
     ESBase,
@@ -243,9 +244,8 @@ class EGGROLL(_LowRankES):
     stats = es.step(fitness_fn)   # fitness_fn(model, row_members) -> rewards [N] or [N, Q]; inside
                                   # `with row_members(member_of_row):` row b of every forward is member_of_row[b]
 
-    `full_rank_others=True` (full-rank noise on the frozen non-matrix parameters: norms, biases, embeddings)
-    is rejected: a per-row copy of those tensors cannot ride in the one batched forward the way a rank-r term can,
-    so it would need one evaluation per member. Use `copes.CoPES` for full-rank noise on every parameter.
+    The non-matrix parameters (norms, biases, embeddings) stay frozen: a per-row copy of those tensors cannot ride
+    in the one batched forward the way a rank-r term can. Use `copes.CoPES` for full-rank noise on every parameter.
     """
 
     def __init__(
@@ -258,16 +258,9 @@ class EGGROLL(_LowRankES):
         seed: int = 0,
         *,
         fitness: str = "per_question",
-        full_rank_others: bool = False,
         **options: Any,
     ) -> None:
         """`options`: include, exclude, std_floor, update_precision, as for CoPESLowRank."""
-        if full_rank_others:
-            raise ValueError(
-                "full_rank_others=True needs a separate evaluation per member (a full-rank perturbation of norms, "
-                "biases or embeddings has no per-row form in one batched forward); use copes.CoPES for full-rank "
-                "noise on all parameters, or keep them frozen"
-            )
         super().__init__(
             model, population=population, num_subspaces=1, sigma=sigma, lr=lr, rank=rank, seed=seed, fitness=fitness,
             **options,

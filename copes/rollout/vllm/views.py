@@ -97,10 +97,6 @@ class CheckpointTrace:
     skipped: list[str]
     holders: dict[str, str] = field(default_factory=dict)
 
-    def skipped_summary(self) -> str:
-        prefixes = sorted({".".join(name.split(".")[:2]) for name in self.skipped})
-        return f"{len(self.skipped)} checkpoint tensors not loaded by vLLM ({', '.join(prefixes)})" if prefixes else ""
-
 
 def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the safetensors checkpoint folder `path`, one at a time, under its stored name."""

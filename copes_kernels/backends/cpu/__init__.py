@@ -11,6 +11,8 @@ trainer pay that as its own phase instead of inside its first perturb and update
 """
 
 from copes_kernels.backends import OP_NAMES
+
+# The op names imported by name, as every backend's face does (see backends/reference/__init__.py).
 from copes_kernels.backends.cpu.multi_tensor import multi_accumulate_, multi_perturb_, multi_restore_
 from copes_kernels.backends.cpu.ops import (
     accumulate_,

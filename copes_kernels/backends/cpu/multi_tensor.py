@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from copes_kernels import _public_ops as ops
 from copes_kernels import _validate as v
 from copes_kernels.backends.cpu.multi_kernels import (
     multi_accumulate_kernel,
@@ -90,23 +90,9 @@ def multi_restore_(table: RunTable, backup: torch.Tensor) -> None:
     multi_restore_kernel(kernel_table.runs, kernel_table.pointers, kernel_table.numels, _backup_bits(backup))
 
 
-def multi_accumulate_(
-    table: RunTable,
-    *,
-    seed: int | None = None,
-    members: Iterable[int] | torch.Tensor,
-    coeffs: Iterable[float] | torch.Tensor,
-    member_subspaces: Iterable[int] | torch.Tensor | None = None,
-    rounding: str = "nearest",
-    seeds: Iterable[int] | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Add the reward-weighted noise of `members` to every tensor of `table` (a table of every chunk) in one
-    compiled call, each run only the members of its own subspace; returns the squared L2 norm of the stored change
-    (float64 0-d)."""
-    streams, coeffs_h, subspaces_h, rounding_seed = v.check_multi_accumulate_args(
-        table, seed=seed, seeds=seeds, members=members, coeffs=coeffs, member_subspaces=member_subspaces,
-        rounding=rounding,
-    )
+@ops.multi_accumulate_op
+def multi_accumulate_(table, streams, coeffs_h, subspaces_h, rounding_seed, rounding) -> torch.Tensor:
+    """one compiled call for every tensor."""
     kernel_table = _kernel_table(table)
     order = torch.argsort(subspaces_h, stable=True)  # members of one subspace form one segment, in member order
     use_torch_threads()

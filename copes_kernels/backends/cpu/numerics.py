@@ -23,6 +23,9 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 from copes_kernels.backends.cpu import numba_cache  # noqa: F401  (before any @njit: the cache's source stamp)
+
+# The contract's constants by name, as triton/rng.py imports them: each compiler reads module globals as
+# compile-time constants, so each kernel module imports its own (the values live once, in copes_kernels/rng.py).
 from copes_kernels.rng import (
     MASK32,
     PHILOX_M0,

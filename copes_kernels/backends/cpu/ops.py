@@ -1,7 +1,6 @@
-"""The compiled CPU backend's per-tensor ops: validate (as every backend does), view the storage, call a kernel.
-
-Same signatures and contract as the reference (the oracle they are tested against). Threads follow
-`torch.get_num_threads()` (capped by numba's pool).
+"""The compiled CPU backend's per-tensor ops: view the storage, call a kernel. The public signatures, docstrings and
+argument checks are `copes_kernels._public_ops`' (every backend's); the contract is the reference's (the oracle
+they are tested against). Threads follow `torch.get_num_threads()` (capped by numba's pool).
 """
 
 from __future__ import annotations
@@ -9,13 +8,14 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from copes_kernels import _public_ops as ops
 from copes_kernels import _validate as v
 from copes_kernels.backends.cpu.kernels import (
     ROWS_PER_JOB,
@@ -29,7 +29,6 @@ from copes_kernels.backends.cpu.kernels import (
     restore_kernel,
     store_stochastic_kernel,
 )
-from copes_kernels.partition import DEFAULT_CHUNK_SIZE
 from copes_kernels.rng import MASK32, check_philox_inputs
 
 # numba cannot hold 16-bit floats: their bits travel as integers, bfloat16 as uint16 and float16 as int16.
@@ -130,27 +129,11 @@ def normal(
     return out.view(-1).to(device)
 
 
-def perturb_(
-    dst: torch.Tensor,
-    *,
-    seed: int,
-    member: int,
-    tensor_id: int,
-    sigma: float,
-    offset: int = 0,
-    src: torch.Tensor | None = None,
-    chunk_subspace: torch.Tensor | None = None,
-    subspace: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> torch.Tensor:
-    """dst[i] = src[i] + sigma * eps(offset + i) on the chunks of `subspace`; nothing else is read or written."""
-    v.check_perturb_args(
-        dst, src, seed=seed, member=member, tensor_id=tensor_id, sigma=sigma, offset=offset,
-        chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size,
-    )
+@ops.perturb_op
+def perturb_(dst, src, seed, member, tensor_id, sigma, offset, chunk_subspace, subspace, chunk_size) -> None:
     if _touches_nothing(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
                         chunk_size=chunk_size):
-        return dst
+        return
     flat_dst = kernel_array(dst.view(-1))
     flat_src = flat_dst if src is None else kernel_array(src.reshape(-1))
     use_torch_threads()
@@ -158,34 +141,13 @@ def perturb_(
         flat_dst, flat_src, *_chunk_owner(chunk_subspace), _subspace_word(subspace), chunk_size,
         offset, float(sigma), int(member), int(tensor_id), *philox_key(seed),
     )
-    return dst
 
 
-def accumulate_(
-    target: torch.Tensor,
-    *,
-    seed: int | None = None,
-    members: Iterable[int] | torch.Tensor,
-    coeffs: Iterable[float] | torch.Tensor,
-    tensor_id: int,
-    offset: int = 0,
-    chunk_subspace: torch.Tensor | None = None,
-    member_subspaces: Iterable[int] | torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    rounding: str = "nearest",
-    seeds: Iterable[int] | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """target[i] += sum_j coeffs[j] * [subspace(chunk(i)) == member_subspaces[j]] * eps_j(offset + i), in place.
-
-    A tile only regenerates the noise of the members that own its subspace, each under its own key (`seeds`) or
-    the one `seed`. `rounding="stochastic"` stores bfloat16/float16 targets with unbiased stochastic rounding.
-    """
-    plan = v.accumulate_plan(
-        target, seed=seed, seeds=seeds, members=members, coeffs=coeffs, tensor_id=tensor_id, offset=offset,
-        chunk_subspace=chunk_subspace, member_subspaces=member_subspaces, chunk_size=chunk_size, rounding=rounding,
-    )
+@ops.accumulate_op
+def accumulate_(target, plan, tensor_id, offset, chunk_subspace, chunk_size, rounding) -> None:
+    """a tile regenerates the noise of its subspace's members only."""
     if target.numel() == 0 or plan.streams.shape[0] == 0:
-        return target
+        return
     subspaces = torch.zeros(plan.streams.shape[0], dtype=torch.int64) if plan.subspaces is None else plan.subspaces
     order = torch.argsort(subspaces, stable=True)  # members of one subspace form one segment
     use_torch_threads()
@@ -194,21 +156,10 @@ def accumulate_(
         plan.streams[order].numpy(), plan.coeffs[order].numpy(), offset, rounding == "stochastic", int(tensor_id),
         *philox_key(plan.rounding_seed),
     )
-    return target
 
 
-def backup_chunks(
-    src: torch.Tensor,
-    *,
-    chunk_subspace: torch.Tensor | None = None,
-    subspace: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    offset: int = 0,
-) -> torch.Tensor:
-    """A packed 1-D copy of the elements in `subspace`'s chunks (1/K of the tensor), in element order; without a
-    partition, of the whole tensor."""
-    v.check_storage("src", src)
-    v.check_chunking(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+@ops.backup_op
+def backup_chunks(src, chunk_subspace, subspace, chunk_size, offset) -> torch.Tensor:
     if _touches_nothing(src.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
                         chunk_size=chunk_size):
         return src.new_empty(0)
@@ -220,75 +171,33 @@ def backup_chunks(
     return torch.from_numpy(packed).view(src.dtype)
 
 
-def restore_chunks_(
-    dst: torch.Tensor,
-    backup: torch.Tensor,
-    *,
-    chunk_subspace: torch.Tensor | None = None,
-    subspace: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    offset: int = 0,
-) -> torch.Tensor:
-    """Write a `backup_chunks` copy back into its chunks: the exact inverse, bit for bit."""
-    v.check_restore_args(dst, backup, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
-                         chunk_size=chunk_size)
+@ops.restore_op
+def restore_chunks_(dst, backup, chunk_subspace, subspace, chunk_size, offset) -> None:
     if _touches_nothing(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
                         chunk_size=chunk_size):
         v.check_backup_size(backup, expected=0, subspace=subspace)
-        return dst
+        return
     use_torch_threads()
     needed = restore_kernel(
         kernel_array(dst.view(-1)), kernel_array(backup.view(-1)), *_chunk_owner(chunk_subspace),
         _subspace_word(subspace), chunk_size, offset,
     )
     v.check_backup_size(backup, expected=needed, subspace=subspace)  # the kernel wrote nothing if this fails
-    return dst
 
 
-def lowrank_factors(
-    *,
-    seed: int,
-    member: int | Sequence[int] | torch.Tensor,
-    tensor_id: int,
-    out_features: int,
-    in_features: int,
-    rank: int,
-    device: torch.device | str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """EGGROLL factors from the eps stream of (seed, member, tensor_id): A = eps[0 : m r] as [m, r], B the next n r.
-
-    An int member gives A [m, r], B [n, r]; a sequence of members gives [P, m, r], [P, n, r].
-    """
-    v.check_factor_request(seed=seed, tensor_id=tensor_id, out_features=out_features, in_features=in_features,
-                           rank=rank)
-    member_list, single = v.as_member_list(member)
-    population, a_size = len(member_list), out_features * rank
+@ops.lowrank_factors_op
+def lowrank_factors(seed, members, tensor_id, out_features, in_features, rank, device) -> tuple[torch.Tensor, ...]:
+    population, a_size = len(members), out_features * rank
     A = torch.empty(population, a_size, dtype=torch.float32)
     B = torch.empty(population, in_features * rank, dtype=torch.float32)
-    _normal_rows(A, member_list, seed=seed, tensor_id=tensor_id, offset=0)
-    _normal_rows(B, member_list, seed=seed, tensor_id=tensor_id, offset=a_size)
-    A = A.view(population, out_features, rank).to(device)
-    B = B.view(population, in_features, rank).to(device)
-    return (A[0], B[0]) if single else (A, B)
+    _normal_rows(A, members, seed=seed, tensor_id=tensor_id, offset=0)
+    _normal_rows(B, members, seed=seed, tensor_id=tensor_id, offset=a_size)
+    return A.view(population, out_features, rank).to(device), B.view(population, in_features, rank).to(device)
 
 
-def lowrank_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    row_member: torch.Tensor,
-    sigma: float,
-    check_rows: bool = True,
-) -> torch.Tensor:
-    """Row b of x (shape [batch, ..., in]) sees W + sigma / sqrt(r) * A_m B_m^T with m = row_member[b].
-
-    One base GEMM for the whole batch (torch), then the per-row rank-r correction added in place (one pass).
-    `check_rows=False` skips the row_member range check (done once per step by the caller).
-    """
-    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma, check_rows=check_rows)
+@ops.lowrank_linear_op
+def lowrank_linear(x, weight, bias, A, B, row_member, sigma, rank) -> torch.Tensor:
+    """one base GEMM (torch), then the per-row rank-r correction added in place (one pass)."""
     out = F.linear(x, weight, bias).contiguous()
     if out.numel() == 0:
         return out
@@ -317,24 +226,4 @@ def store_stochastic_(
     return dst
 
 
-def lowrank_accumulate_(
-    weight: torch.Tensor,
-    *,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    coeffs: Sequence[float] | torch.Tensor,
-    scale: float,
-    rounding: str = "nearest",
-    seed: int = 0,
-    tensor_id: int = 0,
-) -> torch.Tensor:
-    """weight += scale * sum_j coeffs[j] A_j B_j^T as one GEMM over the stacked factors [m, P r] x [P r, n].
-
-    `seed` and `tensor_id` only key the stochastic rounding stream (a compiled store loop).
-    """
-    updated = v.lowrank_updated(weight, A=A, B=B, coeffs=coeffs, scale=scale, rounding=rounding)
-    if rounding == "stochastic":
-        return store_stochastic_(weight, updated, seed=seed, tensor_id=tensor_id)
-    return weight.copy_(updated)
-
-
+lowrank_accumulate_ = ops.lowrank_accumulate_op(store_stochastic_)  # stochastic rounding: a compiled store loop

@@ -6,6 +6,9 @@
 """
 
 from copes_kernels.backends import OP_NAMES
+
+# Every backend's face imports the same op names (OP_NAMES) by name, so IDEs and type checkers see them: the
+# list repeats across backends/*/__init__.py on purpose.
 from copes_kernels.backends.reference.multi_tensor import multi_accumulate_, multi_perturb_, multi_restore_
 from copes_kernels.backends.reference.per_tensor import (
     accumulate_,

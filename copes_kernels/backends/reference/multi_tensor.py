@@ -6,10 +6,9 @@ backend); they call the reference per-tensor ops directly, never the dispatcher.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
+from copes_kernels import _public_ops as ops
 from copes_kernels import _validate as v
 from copes_kernels.backends.reference.per_tensor import accumulate_, backup_chunks, perturb_, restore_chunks_
 from copes_kernels.run_tables import RunTable
@@ -41,22 +40,9 @@ def multi_restore_(table: RunTable, backup: torch.Tensor) -> None:
         cursor += size
 
 
-def multi_accumulate_(
-    table: RunTable,
-    *,
-    seed: int | None = None,
-    members: Iterable[int] | torch.Tensor,
-    coeffs: Iterable[float] | torch.Tensor,
-    member_subspaces: Iterable[int] | torch.Tensor | None = None,
-    rounding: str = "nearest",
-    seeds: Iterable[int] | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`accumulate_` on every tensor of `table` (a table of every chunk; member_subspaces may be left out at K=1);
-    returns the squared L2 norm of the stored change (float64 0-d)."""
-    streams, coeffs_h, subspaces_h, rounding_seed = v.check_multi_accumulate_args(
-        table, seed=seed, seeds=seeds, members=members, coeffs=coeffs, member_subspaces=member_subspaces,
-        rounding=rounding,
-    )
+@ops.multi_accumulate_op
+def multi_accumulate_(table, streams, coeffs_h, subspaces_h, rounding_seed, rounding) -> torch.Tensor:
+    """the per-tensor reference `accumulate_` on each tensor in turn."""
     member_seeds = [key0 | key1 << 32 for _, key0, key1 in streams.tolist()]
     squared = torch.zeros((), dtype=torch.float64, device=table.device)
     for tensor, tensor_id, chunk_subspace in zip(table.tensors, table.tensor_ids, table.chunk_subspaces):

@@ -1,27 +1,25 @@
 """The reference per-tensor ops, in pure torch: the test oracle of the compiled backends (and the CPU fallback).
 
-Their docstrings are the public ops' (`ck.normal` etc. wrap them). The identifiers, as in docs/noise-contract.md:
-`seed` (uint64) keys one stream family -- one per ES step, or one per member with `seeds=` --, `member` (uint32)
-picks a population member's stream, `tensor_id` (uint32, stable per parameter, distinct within a model: e.g.
-`ck.tensor_id_of(name)`) picks the tensor's, and `offset` is the element index of the slice's first element in the
-whole parameter. Tolerances between backends: the Philox words are bit-identical everywhere; the normals agree
-within 2e-6 (compiled CPU) and 1e-5 (Triton on a GPU) of this reference, not bitwise, so a written element is
-within one storage ulp plus |scale| times that. Within one backend every op is deterministic to the bit.
+The public signatures, docstrings and argument checks are `copes_kernels._public_ops`' (shared with the compiled
+backends; `ck.normal` etc. wrap these functions). Tolerances between backends: the Philox words are bit-identical
+everywhere; the normals agree within 2e-6 (compiled CPU) and 1e-5 (Triton on a GPU) of this reference, not
+bitwise, so a written element is within one storage ulp plus |scale| times that. Within one backend every op is
+deterministic to the bit.
 
-Same signatures as the fused ops. Noise is regenerated per run of selected chunks in tiles of at most
-`NOISE_TILE` elements, so no op ever holds a full-size noise tensor. All math is float32 with one cast at the store.
+Noise is regenerated per run of selected chunks in tiles of at most `NOISE_TILE` elements, so no op ever holds a
+full-size noise tensor. All math is float32 with one cast at the store.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from copes_kernels import _public_ops as ops
 from copes_kernels import _validate as v
-from copes_kernels.partition import DEFAULT_CHUNK_SIZE, selected_runs
+from copes_kernels.partition import selected_runs
 
 # philox4x32_10 is re-exported as the reference twin of the Triton op: the contract itself is the reference.
 from copes_kernels.rng import ROUNDING_STREAM, normal_stream, philox4x32_10, philox_blocks, words_to_uniform  # noqa: F401
@@ -86,28 +84,8 @@ def normal(
     return normal_stream(n, seed=seed, member=member, tensor_id=tensor_id, offset=offset, device=device)
 
 
-def perturb_(
-    dst: torch.Tensor,
-    *,
-    seed: int,
-    member: int,
-    tensor_id: int,
-    sigma: float,
-    offset: int = 0,
-    src: torch.Tensor | None = None,
-    chunk_subspace: torch.Tensor | None = None,
-    subspace: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> torch.Tensor:
-    """dst[i] = src[i] + sigma * eps(offset + i) on the chunks of `subspace`; nothing else is read or written.
-
-    eps is the stream of (seed, member, tensor_id) (see `normal`); float32 math, one rounding to dst's dtype.
-    Without a partition (chunk_subspace and subspace None) the whole tensor is perturbed. In place on dst.
-    """
-    v.check_perturb_args(
-        dst, src, seed=seed, member=member, tensor_id=tensor_id, sigma=sigma, offset=offset,
-        chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size,
-    )
+@ops.perturb_op
+def perturb_(dst, src, seed, member, tensor_id, sigma, offset, chunk_subspace, subspace, chunk_size) -> None:
     flat_dst = dst.view(-1)
     flat_src = flat_dst if src is None else src.view(-1)
     runs = selected_runs(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
@@ -117,36 +95,10 @@ def perturb_(
             eps = normal_stream(stop - start, seed=seed, member=member, tensor_id=tensor_id, offset=offset + start,
                                 device=dst.device)
             flat_dst[start:stop] = flat_src[start:stop].float() + float(sigma) * eps
-    return dst
 
 
-def accumulate_(
-    target: torch.Tensor,
-    *,
-    seed: int | None = None,
-    members: Iterable[int] | torch.Tensor,
-    coeffs: Iterable[float] | torch.Tensor,
-    tensor_id: int,
-    offset: int = 0,
-    chunk_subspace: torch.Tensor | None = None,
-    member_subspaces: Iterable[int] | torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    rounding: str = "nearest",
-    seeds: Iterable[int] | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """target[i] += sum_j coeffs[j] * [subspace(chunk(i)) == member_subspaces[j]] * eps_j(offset + i), in place.
-
-    eps_j is the noise stream of (seed, members[j], tensor_id) -- or of (seeds[j], members[j], tensor_id) when
-    `seeds` gives each member its own seed (one pass over the tensor either way). Without a partition
-    (chunk_subspace and member_subspaces None) every member updates the whole tensor. The sum is float32 with one
-    store; `rounding="stochastic"` stores bfloat16/float16 targets with unbiased stochastic rounding, keyed by
-    `seed` (with `seeds`: seed when given, else seeds[0]) and tensor_id. Each run of chunks only regenerates the
-    noise of the members that own its subspace.
-    """
-    plan = v.accumulate_plan(
-        target, seed=seed, seeds=seeds, members=members, coeffs=coeffs, tensor_id=tensor_id, offset=offset,
-        chunk_subspace=chunk_subspace, member_subspaces=member_subspaces, chunk_size=chunk_size, rounding=rounding,
-    )
+@ops.accumulate_op
+def accumulate_(target, plan, tensor_id, offset, chunk_subspace, chunk_size, rounding) -> None:
     flat = target.view(-1)
     rows = [(member, key0 | key1 << 32, coeff)
             for (member, key0, key1), coeff in zip(plan.streams.tolist(), plan.coeffs.tolist())]
@@ -166,21 +118,10 @@ def accumulate_(
                     total.add_(eps, alpha=coeff)
                 _store(flat[start:stop], total, rounding=rounding, seed=plan.rounding_seed, tensor_id=tensor_id,
                        offset=offset + start)
-    return target
 
 
-def backup_chunks(
-    src: torch.Tensor,
-    *,
-    chunk_subspace: torch.Tensor | None = None,
-    subspace: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    offset: int = 0,
-) -> torch.Tensor:
-    """A packed 1-D copy of the elements in `subspace`'s chunks (1/K of the tensor), in element order; without a
-    partition (chunk_subspace and subspace None), of the whole tensor: the full backup of a K=1 loop."""
-    v.check_storage("src", src)
-    v.check_chunking(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+@ops.backup_op
+def backup_chunks(src, chunk_subspace, subspace, chunk_size, offset) -> torch.Tensor:
     flat = src.view(-1)
     runs = selected_runs(src.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
                          chunk_size=chunk_size)
@@ -189,18 +130,8 @@ def backup_chunks(
     return torch.cat([flat[start:stop] for start, stop in runs])
 
 
-def restore_chunks_(
-    dst: torch.Tensor,
-    backup: torch.Tensor,
-    *,
-    chunk_subspace: torch.Tensor | None = None,
-    subspace: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    offset: int = 0,
-) -> torch.Tensor:
-    """Write a `backup_chunks` copy back into its chunks: the exact inverse, bit for bit."""
-    v.check_restore_args(dst, backup, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
-                         chunk_size=chunk_size)
+@ops.restore_op
+def restore_chunks_(dst, backup, chunk_subspace, subspace, chunk_size, offset) -> None:
     runs = selected_runs(dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace,
                          chunk_size=chunk_size)
     v.check_backup_size(backup, expected=sum(stop - start for start, stop in runs), subspace=subspace)
@@ -208,51 +139,20 @@ def restore_chunks_(
     for start, stop in runs:
         flat[start:stop] = packed[cursor : cursor + stop - start]
         cursor += stop - start
-    return dst
 
 
-def lowrank_factors(
-    *,
-    seed: int,
-    member: int | Sequence[int] | torch.Tensor,
-    tensor_id: int,
-    out_features: int,
-    in_features: int,
-    rank: int,
-    device: torch.device | str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """EGGROLL factors from the eps stream of (seed, member, tensor_id): A = eps[0 : m r] as [m, r], B the next n r.
-
-    An int member gives A [m, r], B [n, r]; a sequence of members gives [P, m, r], [P, n, r].
-    """
-    v.check_factor_request(seed=seed, tensor_id=tensor_id, out_features=out_features, in_features=in_features,
-                           rank=rank)
-    member_list, single = v.as_member_list(member)
+@ops.lowrank_factors_op
+def lowrank_factors(seed, members, tensor_id, out_features, in_features, rank, device) -> tuple[torch.Tensor, ...]:
     a_size, b_size = out_features * rank, in_features * rank
-    streams = [
-        normal_stream(a_size + b_size, seed=seed, member=m, tensor_id=tensor_id, device=device) for m in member_list
-    ]
+    streams = [normal_stream(a_size + b_size, seed=seed, member=m, tensor_id=tensor_id, device=device) for m in members]
     A = torch.stack([s[:a_size].view(out_features, rank) for s in streams])
     B = torch.stack([s[a_size:].view(in_features, rank) for s in streams])
-    return (A[0], B[0]) if single else (A, B)
+    return A, B
 
 
-def lowrank_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    row_member: torch.Tensor,
-    sigma: float,
-    check_rows: bool = True,
-) -> torch.Tensor:
-    """Row b of x (shape [batch, ..., in]) sees W + sigma / sqrt(r) * A_m B_m^T with m = row_member[b].
-
-    One base GEMM for the whole batch plus a rank-r correction per row: (x B_m) A_m^T, in float32.
-    """
-    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma, check_rows=check_rows)
+@ops.lowrank_linear_op
+def lowrank_linear(x, weight, bias, A, B, row_member, sigma, rank) -> torch.Tensor:
+    """the correction as (x B_m) A_m^T, in float32."""
     base = F.linear(x, weight, bias)
     x_rows = x.reshape(x.shape[0], -1, x.shape[-1]).float()  # [batch, tokens, in]
     projected = torch.bmm(x_rows, B[row_member])  # [batch, tokens, r]
@@ -260,21 +160,9 @@ def lowrank_linear(
     return (base.float() + (float(sigma) / math.sqrt(rank)) * correction.view(base.shape)).to(base.dtype)
 
 
-def lowrank_accumulate_(
-    weight: torch.Tensor,
-    *,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    coeffs: Sequence[float] | torch.Tensor,
-    scale: float,
-    rounding: str = "nearest",
-    seed: int = 0,
-    tensor_id: int = 0,
-) -> torch.Tensor:
-    """weight += scale * sum_j coeffs[j] A_j B_j^T as one GEMM over the stacked factors [m, P r] x [P r, n].
-
-    `seed` and `tensor_id` only key the stochastic rounding stream.
-    """
-    updated = v.lowrank_updated(weight, A=A, B=B, coeffs=coeffs, scale=scale, rounding=rounding)
-    _store(weight.view(-1), updated.view(-1), rounding=rounding, seed=seed, tensor_id=tensor_id, offset=0)
+def _store_stochastic(weight: torch.Tensor, updated: torch.Tensor, *, seed: int, tensor_id: int) -> torch.Tensor:
+    _store(weight.view(-1), updated.view(-1), rounding="stochastic", seed=seed, tensor_id=tensor_id, offset=0)
     return weight
+
+
+lowrank_accumulate_ = ops.lowrank_accumulate_op(_store_stochastic)

@@ -17,14 +17,13 @@ columns, adding the correction to the base output in place. Two ways to form the
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from copes_kernels import _validate as v
+from copes_kernels import _public_ops as ops
 from copes_kernels.backends.triton.rng import fill_normal_rows_
 from copes_kernels.backends.triton.shared import store_stochastic_, to_storage
 
@@ -106,53 +105,22 @@ def _lowrank_correction_kernel(
 # ----------------------------------------------------------------------------------------------- host side
 
 
-def lowrank_factors(
-    *,
-    seed: int,
-    member: int | Sequence[int] | torch.Tensor,
-    tensor_id: int,
-    out_features: int,
-    in_features: int,
-    rank: int,
-    device: torch.device | str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """EGGROLL factors from the eps stream of (seed, member, tensor_id): A = eps[0 : m r] as [m, r], B the next n r.
-
-    An int member gives A [m, r], B [n, r]; a sequence of members gives [P, m, r], [P, n, r]. One launch per factor.
-    """
-    v.check_factor_request(
-        seed=seed, tensor_id=tensor_id, out_features=out_features, in_features=in_features, rank=rank
-    )
-    member_list, single = v.as_member_list(member)
+@ops.lowrank_factors_op
+def lowrank_factors(seed, members, tensor_id, out_features, in_features, rank, device) -> tuple[torch.Tensor, ...]:
+    """one launch per factor."""
     device = torch.device("cpu") if device is None else torch.device(device)
-    members = torch.tensor(member_list, dtype=torch.int64, device=device)
-    population = len(member_list)
+    member_rows = torch.tensor(members, dtype=torch.int64, device=device)
+    population = len(members)
     A = torch.empty(population, out_features * rank, dtype=torch.float32, device=device)
     B = torch.empty(population, in_features * rank, dtype=torch.float32, device=device)
-    fill_normal_rows_(A, members, seed=seed, tensor_id=tensor_id, offset=0)
-    fill_normal_rows_(B, members, seed=seed, tensor_id=tensor_id, offset=out_features * rank)
-    A, B = A.view(population, out_features, rank), B.view(population, in_features, rank)
-    return (A[0], B[0]) if single else (A, B)
+    fill_normal_rows_(A, member_rows, seed=seed, tensor_id=tensor_id, offset=0)
+    fill_normal_rows_(B, member_rows, seed=seed, tensor_id=tensor_id, offset=out_features * rank)
+    return A.view(population, out_features, rank), B.view(population, in_features, rank)
 
 
-def lowrank_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    row_member: torch.Tensor,
-    sigma: float,
-    check_rows: bool = True,
-) -> torch.Tensor:
-    """Row b of x (shape [batch, ..., in]) sees W + sigma / sqrt(r) * A_m B_m^T with m = row_member[b].
-
-    One base GEMM for the whole batch (torch) plus the per-row rank-r correction (one Triton launch).
-    `check_rows=False` skips the range check of row_member (two reads of device data): for callers that
-    validated the rows once for many calls, e.g. once per population forward.
-    """
-    rank = v.check_lowrank_linear_args(x, weight, A, B, row_member, sigma, check_rows=check_rows)
+@ops.lowrank_linear_op
+def lowrank_linear(x, weight, bias, A, B, row_member, sigma, rank) -> torch.Tensor:
+    """one base GEMM (torch) plus the per-row rank-r correction (one Triton launch)."""
     out = F.linear(x, weight, bias).contiguous()
     batch, out_features, in_features = x.shape[0], weight.shape[0], weight.shape[1]
     tokens = out.numel() // max(batch * out_features, 1)
@@ -172,22 +140,4 @@ def lowrank_linear(
     return out
 
 
-def lowrank_accumulate_(
-    weight: torch.Tensor,
-    *,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    coeffs: Sequence[float] | torch.Tensor,
-    scale: float,
-    rounding: str = "nearest",
-    seed: int = 0,
-    tensor_id: int = 0,
-) -> torch.Tensor:
-    """weight += scale * sum_j coeffs[j] A_j B_j^T as one GEMM over the stacked factors [m, P r] x [P r, n].
-
-    `seed` and `tensor_id` only key the stochastic rounding stream (a Triton store kernel).
-    """
-    updated = v.lowrank_updated(weight, A=A, B=B, coeffs=coeffs, scale=scale, rounding=rounding)
-    if rounding == "stochastic":
-        return store_stochastic_(weight, updated, seed=seed, tensor_id=tensor_id)
-    return weight.copy_(updated)
+lowrank_accumulate_ = ops.lowrank_accumulate_op(store_stochastic_)  # stochastic rounding: a Triton store kernel

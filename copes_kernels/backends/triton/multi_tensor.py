@@ -16,12 +16,11 @@ Nothing here reads device data on the host: sizes come from the table's host-sid
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import triton
 import triton.language as tl
 
+from copes_kernels import _public_ops as ops
 from copes_kernels import _validate as v
 from copes_kernels.backends.triton.rng import lanes_aligned, normal_tile, stream_args, tile_mask, uniform_tile
 from copes_kernels.backends.triton.shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
@@ -183,22 +182,9 @@ def multi_restore_(table: RunTable, backup: torch.Tensor) -> None:
         )
 
 
-def multi_accumulate_(
-    table: RunTable,
-    *,
-    seed: int | None = None,
-    members: Iterable[int] | torch.Tensor,
-    coeffs: Iterable[float] | torch.Tensor,
-    member_subspaces: Iterable[int] | torch.Tensor | None = None,
-    rounding: str = "nearest",
-    seeds: Iterable[int] | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Add the reward-weighted noise of `members` to every tensor of `table` (a table of every chunk: subspace
-    None), each run only the members of its own subspace; returns the squared L2 norm of the change as stored."""
-    streams, coeffs_h, subspaces_h, rounding_seed = v.check_multi_accumulate_args(
-        table, seed=seed, seeds=seeds, members=members, coeffs=coeffs, member_subspaces=member_subspaces,
-        rounding=rounding,
-    )
+@ops.multi_accumulate_op
+def multi_accumulate_(table, streams, coeffs_h, subspaces_h, rounding_seed, rounding) -> torch.Tensor:
+    """one launch for every tensor; the norm is summed from per-program partials."""
     first_member, end_member, sorted_streams, sorted_coeffs = member_segments(table, streams, coeffs_h, subspaces_h)
     tiles, block, aligned = _grid(table)
     programs = table.num_runs * tiles

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from copes_kernels import _public_ops as ops
 from copes_kernels import _validate as v
 from copes_kernels.backends.triton.rng import (
     STREAM_ARGS,
@@ -31,7 +32,7 @@ from copes_kernels.backends.triton.rng import (
     tile_mask,
 )
 from copes_kernels.backends.triton.shared import noise_tiles_per_run, to_storage
-from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
+from copes_kernels.partition import chunk_runs, chunk_span
 
 # Integer views for bit-exact copies, by element size.
 BIT_VIEWS = {2: torch.int16, 4: torch.int32}
@@ -115,24 +116,8 @@ def selected_chunk_runs(
     return starts, stops, min(chunk_size, numel)
 
 
-def perturb_(
-    dst: torch.Tensor,
-    *,
-    seed: int,
-    member: int,
-    tensor_id: int,
-    sigma: float,
-    offset: int = 0,
-    src: torch.Tensor | None = None,
-    chunk_subspace: torch.Tensor | None = None,
-    subspace: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> torch.Tensor:
-    """dst[i] = src[i] + sigma * eps(offset + i) on the chunks of `subspace`; nothing else is read or written."""
-    v.check_perturb_args(
-        dst, src, seed=seed, member=member, tensor_id=tensor_id, sigma=sigma, offset=offset,
-        chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size,
-    )
+@ops.perturb_op
+def perturb_(dst, src, seed, member, tensor_id, sigma, offset, chunk_subspace, subspace, chunk_size) -> None:
     starts, stops, longest = selected_chunk_runs(
         dst.numel(), offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size,
         device=dst.device,
@@ -144,7 +129,6 @@ def perturb_(
             dst, dst if src is None else src, starts, stops, tiles, float(sigma),
             *stream_args(seed, member, tensor_id), *int64_args(offset), ALIGNED=aligned, BLOCK=block,
         )
-    return dst
 
 
 class PackedRuns(NamedTuple):
@@ -185,38 +169,16 @@ def _copy_runs(
         )
 
 
-def backup_chunks(
-    src: torch.Tensor,
-    *,
-    chunk_subspace: torch.Tensor | None = None,
-    subspace: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    offset: int = 0,
-) -> torch.Tensor:
-    """A packed 1-D copy of the elements in `subspace`'s chunks (1/K of the tensor), in element order; without a
-    partition, of the whole tensor."""
-    v.check_storage("src", src)
-    v.check_chunking(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
+@ops.backup_op
+def backup_chunks(src, chunk_subspace, subspace, chunk_size, offset) -> torch.Tensor:
     runs = packed_runs(src, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
     packed = src.new_empty(runs.packed_size)
     _copy_runs(src, packed, runs, offset=offset, chunk_size=chunk_size, to_packed=True)
     return packed
 
 
-def restore_chunks_(
-    dst: torch.Tensor,
-    backup: torch.Tensor,
-    *,
-    chunk_subspace: torch.Tensor | None = None,
-    subspace: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    offset: int = 0,
-) -> torch.Tensor:
-    """Write a `backup_chunks` copy back into its chunks: the exact inverse, bit for bit."""
-    v.check_restore_args(
-        dst, backup, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size
-    )
+@ops.restore_op
+def restore_chunks_(dst, backup, chunk_subspace, subspace, chunk_size, offset) -> None:
     runs = packed_runs(dst, offset=offset, chunk_subspace=chunk_subspace, subspace=subspace, chunk_size=chunk_size)
     v.check_backup_size(backup, expected=runs.packed_size, subspace=subspace)
     _copy_runs(dst, backup.to(dst.device), runs, offset=offset, chunk_size=chunk_size, to_packed=False)
-    return dst

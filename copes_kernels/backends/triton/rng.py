@@ -24,6 +24,9 @@ import triton
 import triton.language as tl
 
 from copes_kernels import _validate as v
+
+# The contract's constants by name (as cpu/numerics.py imports them): Triton reads module globals as compile-time
+# constants; the values live once, in copes_kernels/rng.py.
 from copes_kernels.rng import (
     MASK32,
     PHILOX_M0,

@@ -16,12 +16,11 @@ reference's `round_stochastic`, so the expected stored value is the exact float3
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import triton
 import triton.language as tl
 
+from copes_kernels import _public_ops as ops
 from copes_kernels import _validate as v
 from copes_kernels.backends.triton.rng import (
     STREAM_ARGS,
@@ -33,7 +32,7 @@ from copes_kernels.backends.triton.rng import (
     uniform_tile,
 )
 from copes_kernels.backends.triton.shared import ROUNDING_STREAM_WORD, noise_tiles_per_run, round_stochastic, to_storage
-from copes_kernels.partition import DEFAULT_CHUNK_SIZE, chunk_runs, chunk_span
+from copes_kernels.partition import chunk_runs, chunk_span
 
 
 @triton.jit(do_not_specialize=STREAM_ARGS + ["tiles_per_run"])
@@ -108,31 +107,11 @@ def _member_segments(
             plan.coeffs[order])
 
 
-def accumulate_(
-    target: torch.Tensor,
-    *,
-    seed: int | None = None,
-    members: Iterable[int] | torch.Tensor,
-    coeffs: Iterable[float] | torch.Tensor,
-    tensor_id: int,
-    offset: int = 0,
-    chunk_subspace: torch.Tensor | None = None,
-    member_subspaces: Iterable[int] | torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    rounding: str = "nearest",
-    seeds: Iterable[int] | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """target[i] += sum_j coeffs[j] * [subspace(chunk(i)) == member_subspaces[j]] * eps_j(offset + i), in place.
-
-    A tile only regenerates the noise of the members that own its subspace, each under its own key (`seeds`) or
-    the one `seed`. `rounding="stochastic"` stores bfloat16/float16 targets with unbiased stochastic rounding.
-    """
-    plan = v.accumulate_plan(
-        target, seed=seed, seeds=seeds, members=members, coeffs=coeffs, tensor_id=tensor_id, offset=offset,
-        chunk_subspace=chunk_subspace, member_subspaces=member_subspaces, chunk_size=chunk_size, rounding=rounding,
-    )
+@ops.accumulate_op
+def accumulate_(target, plan, tensor_id, offset, chunk_subspace, chunk_size, rounding) -> None:
+    """a tile regenerates the noise of its subspace's members only, each under its own key."""
     if target.numel() == 0 or plan.streams.shape[0] == 0:
-        return target
+        return
     starts, stops, first_member, end_member, sorted_streams, sorted_coeffs = _member_segments(
         target, plan, offset=offset, chunk_subspace=chunk_subspace, chunk_size=chunk_size,
     )
@@ -146,4 +125,3 @@ def accumulate_(
             ALIGNED=lanes_aligned(offset, target.numel(), chunk_size, element_size=target.element_size(), block=block),
             BLOCK=block,
         )
-    return target

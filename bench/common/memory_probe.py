@@ -14,7 +14,7 @@ import torch
 
 from copes.es.params import ParameterSpace
 
-from harness import DEVICE, synchronize
+from .harness import DEVICE, synchronize
 
 # glibc's mallopt parameter number for the mmap threshold (malloc.h: M_MMAP_THRESHOLD).
 M_MMAP_THRESHOLD = -3

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 SUBSPACES, POPULATION, SIGMA = 4, 40, 1e-3  # the paper's CoPES defaults
 
 

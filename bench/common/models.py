@@ -20,7 +20,7 @@ from transformers import GenerationConfig, PreTrainedModel, Qwen3_5ForCausalLM, 
 from copes.modeling import read_preset
 from copes.run.config import TrainConfig, build_config, read_yaml
 
-from harness import DEVICE
+from .harness import DEVICE
 
 # Qwen3.5's attention and linear-attention heads are 64 wide; the head counts follow the hidden size.
 HEAD_DIM = 64

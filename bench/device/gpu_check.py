@@ -1,6 +1,6 @@
 """The prepared GPU check's phases (bench/gpu_check.sh runs each in its own process, under its own timeout).
 
-    python bench/gpu_check.py PHASE --work DIR [--cpu-dry-run]
+    python bench/device/gpu_check.py PHASE --work DIR [--cpu-dry-run]
 
 Each phase writes DIR/PHASE.json (what it measured) and prints its one summary line last; a check that fails
 makes the exit status 1 (measurements are printed, never asserted). Phases:
@@ -32,16 +32,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from models import parameter_count, weight_bytes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))  # bench/common/, when this file runs as a script
+
+from common.models import parameter_count, weight_bytes  # noqa: E402
+
 GiB = 2**30
 NOT_RUN = 3  # the exit status of a phase that had nothing to run here (gpu_check.sh reports "not run")
 
 # Qwen3.5-4B's text model, read from the config fixture the memory plan is tested on (tests/fixtures/qwen3.5-4b,
 # shapes from the public model card): 32 layers (every 4th full attention, 4 KV heads of 256; the others gated
 # delta-net), hidden 2560, MLP 9216, a 248,320-token vocabulary, tied embeddings.
-_QWEN35_4B_CONFIG = json.loads((Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3.5-4b"
+_QWEN35_4B_CONFIG = json.loads((REPO / "tests" / "fixtures" / "qwen3.5-4b"
                                 / "config.json").read_text())
 QWEN35_4B = {key: _QWEN35_4B_CONFIG["text_config"][key] for key in (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -394,14 +397,14 @@ def trainer(sizes: Sizes) -> dict[str, Any]:
 # ---------------------------------------------------------------- entry point
 
 def vllm(sizes: Sizes) -> dict[str, Any]:
-    """bench/vllm_gpu_check.py on the device: bitwise perturb -> generate -> restore -> generate inside vLLM, and
+    """bench/device/vllm_gpu_check.py on the device: bitwise perturb -> generate -> restore -> generate inside vLLM, and
     decode tokens/s with CUDA graphs on and off. Reported "not run" (never "passed") where vLLM is not installed:
     a bare device image has none, so this phase needs vLLM's wheels carried. Not part of the CPU dry run (CI's main
     suite has no vLLM; the vLLM suite runs the same check on CPU)."""
     if sizes.device != "cuda" or importlib.util.find_spec("vllm") is None:
         return {"ok": True, "not_run": True, "summary": "vllm is not installed here (or a CPU dry run)"}
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models, for its random model
+    sys.path.insert(0, str(REPO / "tests"))  # tiny_models, for its random model
     import vllm_gpu_check
 
     with tempfile.TemporaryDirectory() as scratch:
