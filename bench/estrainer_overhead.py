@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import machine_note, report
+from common.harness import machine_note, report
 
 BENCH = Path(__file__).resolve().parent
 

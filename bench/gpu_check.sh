@@ -53,7 +53,7 @@ phase() {
         "$PYTHON" bench/device/gpu_check.py "$name" --work "$WORK" "${DRY_RUN[@]}" >"$WORK/$name.log" 2>&1
     local rc=$? result=passed
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then result="timeout after ${limit}s"; status=1
-    elif [ $rc -eq 3 ]; then result="not run"  # bench/gpu_check.py's NOT_RUN: nothing to check here, not a pass
+    elif [ $rc -eq 3 ]; then result="not run"  # bench/device/gpu_check.py's NOT_RUN: nothing to check here, not a pass
     elif [ $rc -ne 0 ]; then result="FAILED (rc $rc)"; status=1
     fi
     local took=$((SECONDS - start))

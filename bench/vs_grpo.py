@@ -328,7 +328,7 @@ def measure_memory(job: tuple[str, int, int, int]) -> dict[str, Any]:
     pin_one_thread()
     import torch
 
-    from harness import DEVICE
+    from common.harness import DEVICE
 
     model = memory_model(vocab_size=4096).to(DEVICE)
     prompts = torch.randint(0, 4096, (batch, length), generator=torch.Generator().manual_seed(length), device=DEVICE)

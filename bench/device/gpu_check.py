@@ -182,7 +182,7 @@ def kernels(sizes: Sizes) -> dict[str, Any]:
 
 def qwen35_model(sizes: Sizes) -> torch.nn.Module:
     """A random-init bf16 Qwen3.5-shaped causal LM built straight on the device from a config (no download; at
-    4B, bench/models.py's CPU build in fp32 and move would take 16 GB of host memory and a minute)."""
+    4B, bench/common/models.py's CPU build in fp32 and move would take 16 GB of host memory and a minute)."""
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(**sizes.model)

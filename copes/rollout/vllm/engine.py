@@ -223,7 +223,8 @@ class VLLMEngine:
     (`max_model_len=-1`): the model's own context length when it fits, else the longest that does; `self.plan` says
     in one line which. On CUDA the decode runs CUDA graphs (`enforce_eager` only on CPU, where vLLM-CPU runs
     eagerly, or with cuda_graphs=False): perturb, restore and update write in place into storage whose addresses
-    never change, so a captured graph reads the written weights (bench/device/vllm_gpu_check.py checks it bit for bit)."""
+    never change, so a captured graph reads the written weights (bench/device/vllm_gpu_check.py checks it bit for
+    bit)."""
 
     def __init__(self, model: str, *, device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
                  kv_cache_gib: float | None = None, max_context_tokens: int | None = None, cpu_weights: str = "packed",
