@@ -3,7 +3,7 @@ measured against the memory plan.
 
     python bench/dress_rehearsal.py [--model-dir /work/4b] [--work DIR] [--vllm-python PATH] [--phases ...]
 
-The model is a random bf16 Qwen3.5-4B in the released wrapper layout (bench/rehearsal_model.py), built once into
+The model is a random bf16 Qwen3.5-4B in the released wrapper layout (bench/common/rehearsal_model.py), built once into
 --model-dir and reused. Each phase is one `copes-run` (or `copes-replay`) process at that shape, the headline
 settings scaled only in counts (population, prompt batch, tokens, turns; never widths or layers):
 
@@ -37,7 +37,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from rehearsal_model import build_rehearsal_model  # noqa: E402
+from common.rehearsal_model import build_rehearsal_model  # noqa: E402
 
 GiB = 2**30
 LOCK = Path("/work/briefs/bigmem.lock")

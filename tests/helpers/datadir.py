@@ -14,9 +14,10 @@ import pytest
 from helpers.paths import FIXTURES, REPO
 
 DATA_SLICES = FIXTURES / "data"
+SHARED_DATA_DIR = REPO.parent / "shared" / "data"  # where a checkout beside the project's shared/ finds the full sets
 # COPES_TEST_DATA=slices reads the slices even where the full sets are (.ci/run's lane that proves a bare clone passes).
 _FULL_SETS = [] if os.environ.get("COPES_TEST_DATA") == "slices" else [
-    Path(p) for p in (os.environ.get("COPES_DATA_DIR"), REPO.parent / "shared" / "data") if p]
+    Path(p) for p in (os.environ.get("COPES_DATA_DIR"), SHARED_DATA_DIR) if p]
 FULL_DATA_DIR = next((p for p in _FULL_SETS if (p / "math").is_dir()), None)
 DATA_DIR = FULL_DATA_DIR or DATA_SLICES
 FULL_DATA = FULL_DATA_DIR is not None

@@ -15,8 +15,8 @@ from copes.tasks.loading import DatasetError, default_data_dir, read_rows
 from copes.tasks.math_tasks import MATH_INSTRUCTION
 from copes.tasks.qa_tasks import QA_INSTRUCTION
 
-from helpers.datadir import DATA_DIR, FULL_DATA, needs_full_data
-from helpers.paths import FIXTURES, REPO
+from helpers.datadir import DATA_DIR, FULL_DATA, SHARED_DATA_DIR, needs_full_data
+from helpers.paths import FIXTURES
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -206,7 +206,7 @@ def test_default_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
     monkeypatch.setenv("COPES_DATA_DIR", str(tmp_path))
     assert default_data_dir() == tmp_path
     monkeypatch.delenv("COPES_DATA_DIR")
-    if DATA_DIR == REPO.parent / "shared" / "data":
+    if DATA_DIR == SHARED_DATA_DIR:
         assert default_data_dir() == DATA_DIR
 
 

@@ -1,6 +1,6 @@
 """The dress rehearsal's model: a random bf16 Qwen3.5-4B at the released shape, in the released wrapper layout.
 
-    python bench/rehearsal_model.py --out /work/4b
+    python bench/common/rehearsal_model.py --out /work/4b
 
 The text model is read from the config fixture (tests/fixtures/qwen3.5-4b); the vision tower, which the fixture
 does not describe and which both rollout engines skip, is a 24-block ViT of width 1024 whose merger projects to the
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 from helpers.tiny_models import build_tiny_tokenizer  # noqa: E402
 
