@@ -5,15 +5,17 @@ through copes' HF engine (chunked prefill, no full-prompt logits), on the reduce
 time (a point's CSV row is written as soon as it ends, so the sweep resumes), and the plan's GRPO and ES figures for
 the same shapes are written beside the measured ones. The PNG goes to docs/memory-context.png.
 
-    flock /work/briefs/bigmem.lock nice -n 15 python bench/memory_context.py --lengths 1024 4096 16384 32768
+    nice -n 15 python bench/memory_context.py --lengths 1024 4096 16384 32768
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import fcntl
 import multiprocessing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from harness import RESULTS_DIR, pin_one_thread
@@ -24,6 +26,8 @@ PLOT = REPO / "docs" / "memory-context.png"
 COMPLETION = 64  # generated tokens per row: GRPO's group and the ES member sample the same
 ROWS = 1  # one sequence per micro-batch (GRPO) and one row (ES member): the per-sequence cost against context
 FIELDS = ["model", "context", "kind", "measured_mib", "planned_mib"]
+BIG_CONTEXT = 16384  # points from here on may pass ~4 GB resident: they take the shared machine's big-memory lock
+BIG_MEMORY_LOCK = Path("/work/briefs/bigmem.lock")
 KINDS = ("GRPO update, checkpointing", "GRPO update, no checkpointing", "ES member (HF engine)")
 
 
@@ -59,6 +63,20 @@ def measure(point: tuple[str, int, str]) -> dict[str, object]:
             "planned_mib": round(planned / 2**20, 2)}
 
 
+@contextlib.contextmanager
+def big_memory(needed: bool) -> Iterator[None]:
+    """Hold the shared machine's big-memory lock (when it has one) for one large point, not the whole sweep."""
+    if not needed or not BIG_MEMORY_LOCK.exists():
+        yield
+        return
+    with BIG_MEMORY_LOCK.open() as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def sweep(models: Sequence[str], lengths: Sequence[int], kinds: Sequence[str]) -> list[dict[str, str]]:
     done = list(csv.DictReader(CSV.open())) if CSV.is_file() else []
     seen = {(row["model"], int(row["context"]), row["kind"]) for row in done}
@@ -68,7 +86,7 @@ def sweep(models: Sequence[str], lengths: Sequence[int], kinds: Sequence[str]) -
             for kind in kinds:
                 if (name, length, kind) in seen:
                     continue
-                with context.Pool(1) as pool:
+                with big_memory(length >= BIG_CONTEXT), context.Pool(1) as pool:
                     row = pool.apply(measure, ((name, length, kind),))
                 print(row, flush=True)
                 new = not CSV.is_file()
