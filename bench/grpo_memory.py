@@ -21,35 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from helpers.live_bytes import LiveBytes  # noqa: E402
+from helpers.reduced_models import REDUCED, reduced  # noqa: E402
 
-FIXTURES = REPO / "tests" / "fixtures"
-VOCAB = 4096
-REDUCED = {  # the fixtures' architectures at 1/10 width, 4 layers (Qwen3.5: 3 delta-net + 1 full attention)
-    "qwen3.5": (FIXTURES / "qwen3.5-4b",
-                dict(hidden_size=256, intermediate_size=922, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=1, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
-                     linear_key_head_dim=32, linear_value_head_dim=32, vocab_size=VOCAB)),
-    "qwen3": (FIXTURES / "qwen3-4b",
-              dict(hidden_size=256, intermediate_size=973, num_hidden_layers=4, num_attention_heads=8,
-                   num_key_value_heads=2, head_dim=32, vocab_size=VOCAB)),
-}
+VOCAB = REDUCED["qwen3"][1]["vocab_size"]
 
 
 def reduced_config(name: str):
-    """The fixture's config with the REDUCED widths (the text config of a vision-language checkpoint)."""
+    """The fixture's config at reduced width (tests/helpers/reduced_models.py), with room for long contexts."""
     path, widths = REDUCED[name]
-    config = AutoConfig.from_pretrained(path)
+    config = reduced(path, **widths)
     text = config.get_text_config()
-    for key, value in widths.items():
-        setattr(text, key, value)
-    if getattr(text, "layer_types", None):
-        text.layer_types = text.layer_types[: text.num_hidden_layers]
     text.max_position_embeddings = max(text.max_position_embeddings, 1 << 17)
     return config
 

@@ -26,8 +26,8 @@ def test_the_smallest_table_runs_end_to_end_and_resumes(tmp_path):
     first = _run(tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     cells = sorted((tmp_path / "cells" / "equal_evaluations").glob("*.json"))
-    assert [cell.name for cell in cells] == ["K_1__seed0.json", "K_1__seed1.json", "K_4__seed0.json",
-                                             "K_4__seed1.json"]
+    assert [cell.name for cell in cells] == ["K___1__seed0.json", "K___1__seed1.json", "K___4__seed0.json",
+                                             "K___4__seed1.json"]
     page = (tmp_path / "page.md").read_text()
     assert "| K = 1 | 2 |" in page and "| K = 4 | 2 |" in page and "±" in page and "32K" in page
     assert "CoPES beats ES (K = 4 − K = 1)" in page and "GRPO at 131072 tokens" in page
