@@ -329,12 +329,19 @@ def render(results: list[dict[str, Any]], settings: Settings, *, quick: bool) ->
              f"validation problems; equal evaluations = {settings.steps} steps, equal wall clock = "
              f"{settings.budget_s:g} CPU seconds of training. Memory: measured at {measured_contexts()} tokens of "
              "context on reduced-width Qwen3.5 and Qwen3, planned for Qwen3.5-4B at 8K / 32K / 128K.", "",
-             *NOTES, "", "## The claims", "", *claim_rows(results), "", "## The ablation tables", "",
+             *(QUICK_WARNING if quick else []), *NOTES, "",
+             "## The claims", "", *claim_rows(results), "", "## The ablation tables", "",
              *tables(results, settings), "## Beside GRPO at equal wall clock (bench/vs_grpo.py's race)", "",
              *grpo_share(results), "", *memory_section(), "", *NOT_TESTABLE]
     return "\n".join(lines) + "\n"
 
 
+QUICK_WARNING = [
+    "**This page comes from a `--quick` run** (one step, 8 held-out questions, the cells that finished before the "
+    "time limit): its gains and verdicts are the machinery's output on a smoke run, not evidence for or against "
+    "any claim. The full table (5 seeds, `python bench/paper_claims.py`) has not run on this machine yet.",
+    "",
+]
 NOTES = [
     "Settings: " + ", ".join(f"{k} {v}" for k, v in FULL.items()) + " (the full table; `--quick` runs every cell "
     "at a tiny size to check the machinery, and its numbers mean nothing). Gains are in percentage points of "
@@ -354,7 +361,9 @@ MEMORY_EXPLAINED = [
     "reduced Qwen3.5 in bf16: the torch delta rule keeps fp32 copies of q, k, v and the intra-chunk matrices); with "
     "checkpointing, each layer's input plus one layer's activations. On top: the completion's logits and the "
     "gradients (constant in context, so they dominate the short points).",
-    "- **The ratio therefore grows with context**, the paper's direction. The 1.4x at 16K the earlier benchmark "
+    "- **So the ratio should grow with context**, the paper's direction: that follows from the per-token terms "
+    "(the plan's lines, checked at the contexts in the table); contexts not in the table were not measured here. "
+    "The 1.4x at 16K the earlier benchmark "
     "reported (docs/benchmarks-history.md) came from measuring the ES side with plain `model.generate` on a "
     "full-attention Qwen3: its unchunked prefill holds one layer's transients over all 16K positions and computes "
     "the whole prompt's fp32 logits, a cost copes' engine does not have.",
