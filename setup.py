@@ -35,7 +35,7 @@ setup(
         # Triton ships with CUDA builds of torch; on CPU it only serves the interpreter-mode kernel tests.
         "triton": ["triton>=3.4"],  # triton.knobs (copes_kernels/_shared.py)
         # The baselines the benchmarks compare against (bench/vs_grpo.py: TRL's GRPOTrainer).
-        "bench": ["trl>=0.20"],
+        "bench": ["trl>=0.20", "scipy>=1.11"],
         # Installed by default; imported only where used (copes/extras.py), so a bare GPU image without them still
         # runs the kernels and the engine, and these extras name what to install when a feature needs one.
         "math": ["math-verify>=0.7"],

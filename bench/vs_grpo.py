@@ -115,12 +115,13 @@ def _final_evaluation(trainer: Any, curve: Curve, clock: TrainingClock) -> Curve
     return curve
 
 
-def es_curve(trainer: Any, curve: Curve, clock: TrainingClock) -> Curve:
+def es_curve(trainer: Any, curve: Curve, clock: TrainingClock, max_steps: int | None = None) -> Curve:
+    """ES steps until the clock's budget is spent, or `max_steps` steps (an equal number of evaluations)."""
     from copes.run.trainer import batch_indices
 
     cfg = trainer.cfg
     _evaluate(trainer, curve, clock, 0)
-    while not clock.over:
+    while not clock.over and (max_steps is None or curve.steps < max_steps):
         clock.start()
         examples = [trainer.train_set[i]
                     for i in batch_indices(curve.steps, cfg.prompt_batch, len(trainer.train_set), cfg.seed)]
@@ -184,6 +185,7 @@ class Job:
     evaluations: int
     eval_size: int
     overrides: tuple[tuple[str, Any], ...] = ()
+    max_steps: int | None = None  # ES methods: stop after this many steps (equal evaluations) or at the budget
 
 
 def job_config(job: Job, output_dir: str) -> Any:
@@ -207,7 +209,7 @@ def run_job(job: Job) -> Curve:
         curve, clock = Curve(job.method, job.seed, job.lr), TrainingClock(job.budget_s, job.evaluations)
         if job.method == GRPO:
             return grpo_curve(trainer, curve, clock, output_dir)
-        return es_curve(trainer, curve, clock)
+        return es_curve(trainer, curve, clock, job.max_steps)
 
 
 def run_jobs(jobs: Sequence[Job], workers: int) -> list[Curve]:

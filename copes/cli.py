@@ -158,8 +158,11 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
         cfg = _config(config_file, flags)
     if cfg.plan:  # config.json only: works on any machine, for any --device
         from copes.run.plan import plan_for
+        from copes.run.plan_grpo import grpo_plan
 
-        click.echo(plan_for(cfg).table())
+        plan = plan_for(cfg)
+        click.echo(plan.table())
+        click.echo(grpo_plan(cfg, plan).table())  # full-parameter GRPO for the same model and context
         return
     from copes.run.distributed import launched_by_copes_run, launched_distributed
     from copes.run.record import claim_output_dir

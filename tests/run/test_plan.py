@@ -6,7 +6,6 @@ loading when they cannot fit."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +26,8 @@ from copes.run.plan import (
 from helpers.cli_runs import copes_run
 from helpers.live_bytes import LiveBytes
 from helpers.paths import FIXTURES, REPO
+from helpers.reduced_models import REDUCED
+from helpers.reduced_models import reduced as _reduced
 
 QWEN35, QWEN3 = FIXTURES / "qwen3.5-4b", FIXTURES / "qwen3-4b"
 PAPER = {"task": "gsm8k", "device": "cuda", "population": 40, "subspaces": 4, "dtype": "bfloat16", "prompt_batch": 64}
@@ -65,25 +66,6 @@ def test_meta_builds_count_the_4b_parameters_exactly():
     # The issue's estimates: 8.4 GB of bf16 weights, ~32 KiB of KV per token per row, ~50 MB delta-net state per row.
     assert kv_bytes_per_token(qwen35, 2) == 8 * 2 * 4 * 256 * 2
     assert recurrent_bytes_per_row(qwen35, 2) == 24 * (8192 * 4 * 2 + 32 * 128 * 128 * 4)
-
-
-def _reduced(path: Path, **widths) -> AutoConfig:
-    config = AutoConfig.from_pretrained(path)
-    text = config.get_text_config()
-    for name, value in widths.items():
-        setattr(text, name, value)
-    if getattr(text, "layer_types", None):
-        text.layer_types = text.layer_types[: text.num_hidden_layers]
-    return config
-
-
-REDUCED = {  # the fixtures' architectures at 1/10 width, 4 layers (Qwen3.5: 3 delta-net + 1 full attention)
-    "qwen3.5": (QWEN35, dict(hidden_size=256, intermediate_size=922, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=1, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
-                             linear_key_head_dim=32, linear_value_head_dim=32, vocab_size=4096)),
-    "qwen3": (QWEN3, dict(hidden_size=256, intermediate_size=973, num_hidden_layers=4, num_attention_heads=8,
-                          num_key_value_heads=2, head_dim=32, vocab_size=4096)),
-}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
