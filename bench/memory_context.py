@@ -1,7 +1,7 @@
 """Memory against context, measured: the peak of one GRPO update (sampling, then forward + backward over prompt and
 completion, with and without gradient checkpointing, the Adam moments of the steady state) against one ES member
 through copes' HF engine (chunked prefill, no full-prompt logits), on the reduced-width Qwen3.5 (hybrid) and Qwen3
-(full attention) of bench/grpo_memory.py, every allocation counted. Each point runs in its own process, one at a
+(full attention) of bench/common/grpo_memory.py, every allocation counted. Each point runs in its own process, one at a
 time (a point's CSV row is written as soon as it ends, so the sweep resumes), and the plan's GRPO and ES figures for
 the same shapes are written beside the measured ones. The PNG goes to docs/memory-context.png.
 
@@ -18,7 +18,7 @@ import multiprocessing
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from harness import RESULTS_DIR, pin_one_thread
+from common.harness import RESULTS_DIR, pin_one_thread
 
 REPO = Path(__file__).resolve().parents[1]
 CSV = RESULTS_DIR / "memory_context.csv"
@@ -35,11 +35,12 @@ def measure(point: tuple[str, int, str]) -> dict[str, object]:
     """One point in a fresh process (bf16, one thread): bytes beyond the weights."""
     name, context, kind = point
     pin_one_thread()
-    import grpo_memory
     import torch
 
     from copes.run.plan import model_shape
     from copes.run.plan_grpo import grpo_columns
+
+    from common import grpo_memory
 
     model = grpo_memory.reduced_model(name, torch.bfloat16)
     prompts = torch.randint(1, grpo_memory.VOCAB - 1, (ROWS, context - COMPLETION),

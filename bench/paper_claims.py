@@ -30,7 +30,7 @@ from typing import Any
 
 from vs_grpo import GRPO, Job, run_job
 
-from harness import RESULTS_DIR
+from common.harness import RESULTS_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "paper-claims.md"

@@ -6,6 +6,7 @@ loading when they cannot fit."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch

@@ -21,7 +21,7 @@ from helpers.paths import FIXTURES, REPO
 pytest.importorskip("trl", reason="the GRPO update uses TRL's selective_log_softmax")
 sys.path.insert(0, str(REPO / "bench"))
 
-import grpo_memory  # noqa: E402
+from common import grpo_memory  # noqa: E402
 
 QWEN35 = FIXTURES / "qwen3.5-4b"
 

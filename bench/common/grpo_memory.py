@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
 from helpers.live_bytes import LiveBytes  # noqa: E402
