@@ -125,7 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where save_pretrained writes the model")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--intermediate-size", type=int, default=128)
@@ -137,7 +137,10 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--log-every", type=int, default=50)
-    parser.add_argument("--eval-size", type=int, default=100, help="held-out questions per task for the final report")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="stop training after this much wall time (the summary records the steps taken; "
+                             "--steps with that number replays the same model)")
+    parser.add_argument("--eval-size", type=int, default=50, help="held-out questions per task for the final report")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -158,8 +161,12 @@ def main() -> None:
         messages = [{"role": "user", "content": task.prompt(example)}]
         return render_prompt_in_format(None, messages, tools[task.name], "tags")
 
-    transcripts = [arithmetic_transcript(arithmetic, e, prompt(arithmetic, e)) for e in arithmetic.examples("train")]
-    transcripts += [lookup_transcript(observation, lookup, e, prompt(lookup, e)) for e in lookup.examples("train")]
+    # As many transcripts as the steps read (5 arithmetic to 3 lookup), each seen once.
+    wanted = args.steps * args.batch_size
+    transcripts = [arithmetic_transcript(arithmetic, e, prompt(arithmetic, e))
+                   for e in arithmetic.examples("train", wanted * 5 // 8)]
+    transcripts += [lookup_transcript(observation, lookup, e, prompt(lookup, e))
+                    for e in lookup.examples("train", wanted - len(transcripts))]
     random.Random(args.seed).shuffle(transcripts)
     texts = [model_spans(transcript)[0] for transcript in transcripts]
     fixed = [*tag_format_instructions(tools[lookup.name]).split("\n"), ANSWER_INSTRUCTION]
@@ -190,8 +197,13 @@ def main() -> None:
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed)).tolist()
     model.train()
     losses = []
+    deadline = None if args.max_minutes is None else time.perf_counter() + 60 * args.max_minutes
     for step in range(1, args.steps + 1):
-        start = (step - 1) * args.batch_size % (len(order) - args.batch_size)
+        if deadline is not None and time.perf_counter() > deadline:
+            step -= 1
+            print(f"stopped by --max-minutes after {step} steps")
+            break
+        start = (step - 1) * args.batch_size % (len(order) - args.batch_size + 1)
         batch = batch_tensors([rows[index] for index in order[start : start + args.batch_size]],
                               tokenizer.pad_token_id)
         loss = model(**batch).loss
@@ -224,7 +236,8 @@ def main() -> None:
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     summary = {key: value for key, value in vars(args).items() if key != "out"}
-    summary.update(parameters=parameters, transcripts=len(rows), final_loss=sum(losses[-100:]) / len(losses[-100:]),
+    summary.update(steps_taken=step, parameters=parameters, transcripts=len(rows),
+                   final_loss=sum(losses[-100:]) / len(losses[-100:]),
                    training_seconds=round(training_seconds), held_out=held_out)
     (args.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"saved to {args.out} ({time.perf_counter() - started:.0f}s in all)")
