@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import string
 
 import pytest
 from transformers import AutoTokenizer
@@ -107,7 +106,8 @@ def test_the_agent_tokenizer_keeps_prompts_calls_and_observations_intact(lookup)
     """Every printable ASCII character, the tool-call tags and a real search observation survive tokenization and
     observation rendering unchanged; the fixed tool instructions cost one token each."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-agent"))
-    text = string.printable + "<python>print(4821*373-919)</python>\n<result>\n1797314\n</result>\n<answer>7</answer>"
+    printable = "".join(chr(code) for code in range(32, 127)) + "\n\t"  # printable ASCII, newline, tab
+    text = printable + "<python>print(4821*373-919)</python>\n<result>\n1797314\n</result>\n<answer>7</answer>"
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.unk_token_id not in ids
     assert tokenizer.decode(ids) == text
