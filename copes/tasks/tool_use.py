@@ -31,10 +31,11 @@ ANSWER_INSTRUCTION = "Give the answer inside <answer></answer>."
 _MAX_DRAWS_PER_QUESTION = 200
 
 
-def _split_sizes(train_size: int, validation_size: int, test_size: int) -> dict[str, int]:
+def _split_sizes(train_size: int | None, validation_size: int, test_size: int) -> dict[str, int | None]:
+    """None: every question the split has (tool-lookup's train split, whose size depends on `hops`)."""
     sizes = {"train": train_size, "validation": validation_size, "test": test_size}
     for split, size in sizes.items():
-        if size < 0:
+        if size is not None and size < 0:
             raise ValueError(f"{split}_size must be >= 0, got {size}")
     return sizes
 
@@ -224,7 +225,7 @@ class ToolLookupTask(_SeededSplits):
     name = "tool-lookup"
     kind = "qa"
 
-    def __init__(self, *, seed: int = 0, hops: str | int = "1,2", train_size: int = 18_000,
+    def __init__(self, *, seed: int = 0, hops: str | int = "1,2", train_size: int | None = None,
                  validation_size: int = 500, test_size: int = 500) -> None:
         wanted = {int(hop) for hop in str(hops).split(",") if hop.strip()}
         if not wanted or not wanted <= {1, 2}:
@@ -234,10 +235,11 @@ class ToolLookupTask(_SeededSplits):
         self.kinds = [kind for kind, hop in HOPS.items() if hop in wanted]
         self.world = make_world(seed)
 
-    def _generate(self, split: str, size: int) -> list[Example]:
+    def _generate(self, split: str, size: int | None) -> list[Example]:
         rng = random.Random(f"tool-lookup/{self.seed}/{split}/{','.join(self.kinds)}")
         people = [person for person in self.world.people if person_split(person.name) == split]
         possible = len(people) * len(self.kinds)
+        size = possible if size is None else size
         if size > possible:
             raise ValueError(f"{split}_size={size} exceeds the {possible} {split} questions of this world")
         pairs = [(person, kind) for person in people for kind in self.kinds]
