@@ -14,6 +14,7 @@ import numpy as np
 
 from copes.choices import ALGORITHMS_BY_NAME
 from copes.errors import ConfigError
+from copes.failpoints import failpoint
 from copes.rewards.functions import callable_label
 from copes.run.config import TrainConfig
 from copes.run.metrics import PhaseTimer
@@ -167,6 +168,7 @@ class TimedTool:
         self.name, self.description, self.parameters = tool.name, tool.description, tool.parameters
 
     def call(self, arguments: dict) -> str:
+        failpoint("tool")  # crash tests: die mid-turn, a tool call in flight
         start = time.perf_counter()
         try:
             return self.tool.call(arguments)

@@ -52,10 +52,12 @@ def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
 
 @dataclass
 class TrainConfig:
-    model: str = _opt("tiny", "model directory or hub id; 'tiny' is the embedded default model")
+    model: str = _opt("tiny", "model directory or hub id; 'tiny' is the embedded default model, "
+                                 "'tiny-agent' the embedded tool-using one")
     task: str = _opt("arithmetic", "what to train on: a task name (gsm8k, math, math500, aime24, aime25, hotpotqa, "
-                                   "2wiki, musique, countdown, arithmetic), a .jsonl/.json/.parquet file, "
-                                   "hf:OWNER/NAME[:CONFIG] (a hub dataset or a local datasets folder) or "
+                                   "2wiki, musique, countdown, arithmetic, tool-arithmetic, tool-lookup), a "
+                                   ".jsonl/.json/.parquet file, hf:OWNER/NAME[:CONFIG] (a hub dataset or a "
+                                   "local datasets folder) or "
                                    "MODULE:FACTORY (a function returning a Task; docs/your-task.md)")
     task_options: dict[str, Any] = _opt({}, "keyword options of the task, e.g. qa_metric=em, digit_shaping=0.5, "
                                             "validation_size=500; a file or hub task: prompt_field=, answer_field=, "

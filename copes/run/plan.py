@@ -83,11 +83,11 @@ class ModelShape:
 
 
 def config_dir(model: str) -> str:
-    """Where the model's config.json is: the embedded tiny model, a local folder (weights not needed), or a hub id."""
-    from copes.modeling import EMBEDDED_MODEL, EMBEDDED_MODEL_DIR
+    """Where the model's config.json is: an embedded model, a local folder (weights not needed), or a hub id."""
+    from copes.modeling import EMBEDDED_MODELS
 
-    if model == EMBEDDED_MODEL:
-        return str(EMBEDDED_MODEL_DIR)
+    if model in EMBEDDED_MODELS:
+        return str(EMBEDDED_MODELS[model])
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
