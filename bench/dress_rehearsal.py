@@ -19,8 +19,8 @@ settings scaled only in counts (population, prompt batch, tokens, turns; never w
 Per phase it records the process's peak RSS (wait4) beside the plan's peak for the same flags (`plan_for`, device
 cpu, a RAM budget of --ram-gib), the wall time and the checks, into WORK/rehearsal.json; --doc rewrites the
 results table of docs/dress-rehearsal.md from it. Every process that holds the model runs under
-`flock /work/briefs/bigmem.lock` when that lock file exists (the machine is shared). `--reduced` runs the smallest
-phase on a reduced-width model (the slow-lane test).
+`flock $COPES_BENCH_LOCK` when that variable names a lock file (a machine shared with other big jobs).
+`--reduced` runs the smallest phase on a reduced-width model (the slow-lane test).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO / "bench"))
 from common.rehearsal_model import build_rehearsal_model  # noqa: E402
 
 GiB = 2**30
-LOCK = Path("/work/briefs/bigmem.lock")
+# A machine shared with other big jobs: COPES_BENCH_LOCK names a lock file that every model-holding process takes.
+LOCK = Path(os.environ["COPES_BENCH_LOCK"]) if os.environ.get("COPES_BENCH_LOCK") else None
 # The headline config (population 40, K = 4, 64 prompts, 1024 tokens a turn, 8 turns), scaled in counts only.
 COMMON = {"task": "gsm8k", "device": "cpu", "dtype": "bfloat16", "steps": 1, "prompt_batch": 1,
           "max_new_tokens": 8, "max_turns": 2, "eval_size": 0, "seed": 0, "cpu_threads": 2, "sample_every": 0}
@@ -71,7 +72,7 @@ def flags_of(settings: dict[str, Any]) -> list[str]:
 
 def locked(big: bool, command: list[str]) -> list[str]:
     """`command` under the machine's big-memory lock (`big`: it holds the 4B model)."""
-    return ["flock", str(LOCK), *command] if big and LOCK.exists() else command
+    return ["flock", str(LOCK), *command] if big and LOCK is not None else command
 
 
 def run_measured(command: list[str], *, env: dict[str, str], log: Path, kill_when: Any = None) -> dict[str, Any]:
