@@ -94,6 +94,14 @@ TaskFactory = Callable[..., Task]
 _REGISTRY: dict[str, TaskFactory] = {}
 
 
+def check_split(split: str, limit: int | None, splits: Sequence[str]) -> None:
+    """The one check of `examples(split, limit)`'s arguments for a task whose splits are `splits`."""
+    if split not in splits:
+        raise ValueError(f"split must be one of {tuple(splits)}, got {split!r}")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+
+
 def register(name: str) -> Callable[[TaskFactory], TaskFactory]:
     def wrap(factory: TaskFactory) -> TaskFactory:
         if name in _REGISTRY:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from copes.rewards import answer_span, countdown_correct
-from copes.tasks.base import Example, Score, TaskBase, register
+from copes.tasks.base import Example, Score, TaskBase, check_split, register
 from copes.tasks.loading import HubSplit, load_split_rows, resolve_data_dir
 from copes.tasks.synthetic import problem_split
 
@@ -132,8 +132,7 @@ class CountdownTask(TaskBase):
                 for index, row in enumerate(rows[start:stop])]
 
     def examples(self, split: str, limit: int | None = None) -> list[Example]:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        check_split(split, limit, SPLITS)
         if split not in self._cache:
             self._cache[split] = self._generate(split) if self.source == "generated" else self._from_hub(split)
         return self._cache[split][:limit]

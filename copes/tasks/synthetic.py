@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-from copes.tasks.base import Example, Score, TaskBase, register
+from copes.tasks.base import Example, Score, TaskBase, check_split, register
 
 SPLITS = ("train", "validation", "test")
 SUPPORTED_OPERATIONS = "+-*"
@@ -129,10 +129,7 @@ class ArithmeticTask(TaskBase):
         return examples
 
     def examples(self, split: str, limit: int | None = None) -> list[Example]:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        if limit is not None and limit < 0:
-            raise ValueError(f"limit must be >= 0 or None, got {limit}")
+        check_split(split, limit, SPLITS)
         if split not in self._cache:
             self._cache[split] = self._generate(split)
         return self._cache[split][:limit]

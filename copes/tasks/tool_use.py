@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from copes.rewards import extract_answer
 from copes.rewards.qa import normalize_official
-from copes.tasks.base import Example, Score, TaskBase, register
+from copes.tasks.base import Example, Score, TaskBase, check_split, register
 from copes.tasks.synthetic import problem_split
 
 SPLITS = ("train", "validation", "test")
@@ -54,10 +54,7 @@ class _SeededSplits(TaskBase):
         raise NotImplementedError
 
     def examples(self, split: str, limit: int | None = None) -> list[Example]:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        if limit is not None and limit < 0:
-            raise ValueError(f"limit must be >= 0 or None, got {limit}")
+        check_split(split, limit, SPLITS)
         if split not in self._cache:
             self._cache[split] = self._generate(split, self.sizes[split])
         return self._cache[split][:limit]

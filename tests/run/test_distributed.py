@@ -136,30 +136,22 @@ def test_a_rank_that_never_answers_ends_in_a_clear_timeout():
 def test_two_processes_match_one_process_bitwise(algorithm, population, subspaces, launch, tmp_path):
     """The console script as 2 gloo ranks — under torchrun, or started by its own --workers 2 — ends with the
     single-process weights and metrics (N=5: an uneven split)."""
-    from helpers.cli_runs import (
-        FAST_FLAGS,
-        MODEL,
-        TORCHRUN_PAIR,
-        assert_same_weights,
-        copes_run,
-        final_weights,
-        metrics_without_time,
-    )
+    from helpers import cli_runs
 
     flags = ["--algorithm", algorithm, "--population", population, "--subspaces", subspaces, "--steps", "2",
              "--checkpoint-every", "0", "--eval-size", "8"]
-    single = copes_run(*flags, "--output-dir", str(tmp_path / "single"))
+    single = cli_runs.copes_run(*flags, "--output-dir", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr
-    pair_flags = [*FAST_FLAGS, *flags, "--device", "cpu", "--output-dir", str(tmp_path / "pair")]
+    pair_flags = [*cli_runs.FAST_FLAGS, *flags, "--device", "cpu", "--output-dir", str(tmp_path / "pair")]
     if launch == "torchrun":
-        command = [*TORCHRUN_PAIR, shutil.which("copes-run"), "--model", MODEL, *pair_flags]
+        command = [*cli_runs.TORCHRUN_PAIR, shutil.which("copes-run"), "--model", cli_runs.MODEL, *pair_flags]
     else:
-        command = [shutil.which("copes-run"), "--model", MODEL, *pair_flags, "--workers", "2"]
+        command = [shutil.which("copes-run"), "--model", cli_runs.MODEL, *pair_flags, "--workers", "2"]
     pair = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert pair.returncode == 0, pair.stderr[-3000:]
-    assert_same_weights(final_weights(tmp_path / "pair"), final_weights(tmp_path / "single"))
-    assert metrics_without_time(tmp_path / "pair") == metrics_without_time(tmp_path / "single")
+    cli_runs.assert_same_weights(cli_runs.final_weights(tmp_path / "pair"), cli_runs.final_weights(tmp_path / "single"))
+    assert cli_runs.metrics_without_time(tmp_path / "pair") == cli_runs.metrics_without_time(tmp_path / "single")
     if launch == "workers":  # rank 0 speaks for both, once
         assert pair.stdout.count("held-out accuracy") == 1, pair.stdout
 
