@@ -243,6 +243,7 @@ class MemoryPlan:
     def usable_bytes(self) -> int:
         return int(self.card_bytes * (1 - RESERVE_FRACTION)) - RESERVE_BYTES
 
+    # One total per group of lines (fixed, update, per row, per call): the same one-line shape, four groups.
     @property
     def fixed_bytes(self) -> int:
         return sum(line.bytes for line in self.fixed)

@@ -33,6 +33,8 @@ import struct
 
 _ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _X32_SYSCALL_BIT = 0x40000000
+# The kernel's own numbers, one table per architecture: the two lists name the same calls on purpose (only the
+# numbers differ), which is why they look alike.
 SYSCALLS = {
     "x86_64": {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "perf_event_open": 298,
                "userfaultfd": 323, "bpf": 321, "add_key": 248, "request_key": 249, "keyctl": 250,
