@@ -121,6 +121,9 @@ class PythonTool:
         return "\n".join(parts)
 
 
+NO_RESULTS = "No results; try other keywords."  # what a search that matched nothing shows the model
+
+
 class SearchTool:
     name = "search"
     description = "Search a Wikipedia-style corpus and return the most relevant passages with their titles."
@@ -150,7 +153,7 @@ class SearchTool:
         except SearchError as error:
             return f"Search error: {error}"
         if not passages:
-            return "No results; try other keywords."
+            return NO_RESULTS
         # Search-R1's observation format, which the reference prompts and papers use; each passage gets an equal
         # share of the budget, so one huge passage cannot push the others out.
         share = self.max_observation_chars // len(passages)

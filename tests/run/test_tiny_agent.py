@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from copes.tools.agent_tools import NO_RESULTS
+
 from helpers.cli_runs import assert_same_weights, copes_run, final_weights, metrics_without_time
 from helpers.paths import REPO
 
@@ -74,6 +76,11 @@ def test_two_hop_lookup_searches_and_the_budget_refuses_the_second_search(tmp_pa
     calls = [call for call in _tool_calls(tmp_path) if call["name"] == "search"]
     found = [call for call in calls if call["valid"]]
     refused = [call for call in calls if not call["valid"]]
-    assert found and all(call["observation"].startswith("Doc 1 (Title: ") for call in found)
-    assert refused and all(call["observation"] == "Error: the search budget of 1 calls is used up; continue without "
-                           "it." for call in refused)
+    # A search the budget allows shows the real BM25 output: passages, or the tool's own line when none matched.
+    assert any(call["observation"].startswith("Doc 1 (Title: ") for call in found)
+    assert all(call["observation"].startswith("Doc 1 (Title: ") or call["observation"] == NO_RESULTS
+               for call in found)
+    # Invalid calls are the budget's refusals and the parser's errors for malformed calls, each shown as a line.
+    assert all(call["observation"].startswith("Error: ") for call in refused)
+    assert any(call["observation"] == "Error: the search budget of 1 calls is used up; continue without it."
+               for call in refused)
