@@ -15,8 +15,10 @@ from copes.run.trainer import Trainer
 
 from helpers.cli_runs import assert_same_weights, final_weights
 
+# Scoring in line (overlap_scoring is on by default since #35): the fake clock advances inside `rewards_for`, which
+# then runs between one member's budget check and the next; overlapped, it runs on a thread beside the next member.
 SETTINGS = {"steps": 2, "population": 8, "subspaces": 2, "prompt_batch": 4, "eval_size": 0, "max_new_tokens": 8,
-            "sample_every": 0, "device": "cpu", "seed": 3}
+            "sample_every": 0, "device": "cpu", "seed": 3, "overlap_scoring": False}
 
 
 class Clock:
