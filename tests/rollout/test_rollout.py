@@ -362,6 +362,48 @@ def tiny_qwen35(tokenizer, *, seed: int = 0):
     return model
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_widened_depthwise_conv_equals_torchs_bit_for_bit_in_bf16(bias):
+    """The CPU conv1d the gated delta-net layers get (copes.modeling): at Qwen3.5-4B's 8192 conv channels, prefill
+    (padding 3) and decode (a 4-wide window) shapes, the same bits as torch's slow bf16 kernel."""
+    from copes.modeling import _conv1d_widening_depthwise
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(8192, 1, 4, generator=generator).to(torch.bfloat16)
+    bias_values = torch.randn(8192, generator=generator).to(torch.bfloat16) if bias else None
+    for length, padding in ((37, 3), (4, 0)):
+        x = torch.randn(3, 8192, length, generator=generator).to(torch.bfloat16)
+        expected = torch.nn.functional.conv1d(x, weight, bias_values, padding=padding, groups=8192)
+        widened = _conv1d_widening_depthwise(x, weight, bias_values, padding=padding, groups=8192)
+        assert widened.dtype == torch.bfloat16 and torch.equal(widened, expected)
+
+
+def test_a_bf16_qwen35_on_cpu_decodes_the_same_logits_with_the_widened_conv(tokenizer):
+    """The HF engine widens the gated delta-net layers' conv1d (torch's bf16 depthwise kernel on a CPU was 97% of a
+    4B decode step); generate's logits over prefill and cached decode keep every bit."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+
+    from copes.modeling import _conv1d_widening_depthwise
+
+    model = tiny_qwen35(tokenizer).to(torch.bfloat16)
+    ids = torch.tensor([tokenizer("12+7=").input_ids])
+
+    def logits() -> list[torch.Tensor]:
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        return list(out.logits)
+
+    seen = modeling.F
+    try:
+        modeling.F = torch.nn.functional  # torch's own kernel, whatever an earlier test widened
+        expected = logits()
+        HFEngine(model)
+        assert modeling.F.conv1d is _conv1d_widening_depthwise
+        widened = logits()
+    finally:
+        modeling.F = seen
+    assert all(torch.equal(a, b) for a, b in zip(expected, widened, strict=True))
+
+
 @pytest.fixture(scope="module", params=["qwen3", "qwen35"])
 def lm(request, model, tokenizer):
     """The tiny Qwen3 (attention KV) and the tiny Qwen3.5 (recurrent state + attention)."""
