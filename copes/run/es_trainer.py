@@ -36,7 +36,7 @@ import torch
 from copes.errors import ConfigError
 from copes.rewards.functions import callable_label
 from copes.run.components import GivenParts
-from copes.run.distributed import WORKERS_ENV, launched_distributed
+from copes.run.distributed import WORKERS_ENV, gather_values, launched_distributed
 from copes.run.es_config import ESConfig
 from copes.run.trainer import Trainer
 from copes.run.trl_task import (
@@ -47,6 +47,7 @@ from copes.run.trl_task import (
     dataset_rows,
     function_name,
     resolve_reward_functions,
+    step_log,
 )
 
 # GRPOTrainer arguments ES has no use for: why, and what to do instead.
@@ -88,9 +89,9 @@ class _HookedTrainer(Trainer):
         return stats
 
     def after_step(self, step: int, metrics: dict[str, Any]) -> bool:
-        if not self.is_main:
-            self.task.drain_step_log()  # only rank 0 logs
-        stop = self.es.step_done(step, metrics) if self.is_main else False
+        tally = self.task.drain_step_tally()  # this rank's members; rank 0 logs over every rank's
+        logged = step_log(gather_values(tally, step) if self.dist else [tally])
+        stop = self.es.step_done(step, metrics, logged) if self.is_main else False
         return bool(self.share(stop, step))  # rank 0's callbacks decide for every rank
 
     def held_out(self, step: int, final: bool = False) -> dict[str, Any]:
@@ -255,13 +256,13 @@ class ESTrainer:
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self._event("on_log", logs=logs)
 
-    def step_done(self, step: int, metrics: dict[str, Any]) -> bool:
-        """A journaled step: the callbacks' turn. True when they asked training to stop."""
+    def step_done(self, step: int, metrics: dict[str, Any], logged: dict[str, float]) -> bool:
+        """A journaled step: the callbacks' turn (`logged`: GRPO's per-function means and completion length over
+        every rank's rollouts). True when they asked training to stop."""
         state, cfg = self.state, self.cfg
         state.global_step = step
         state.epoch = step * cfg.prompt_batch / len(self.task.rows["train"])
         self.control = self._event("on_step_end")
-        logged = self.task.drain_step_log()
         if step % self.args.logging_steps == 0 or step == cfg.steps:
             self.log({**self.reward_stats(), **logged,
                       **{k: v for k, v in metrics.items() if k.startswith("rewards/")},  # the Trainer's own, if any

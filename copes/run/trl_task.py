@@ -296,18 +296,29 @@ class DatasetTask(TaskBase):
                       answer=extract_answer(completion))
                 for completion, row_values in zip(completions, values)]
 
-    def drain_step_log(self) -> dict[str, float]:
-        """GRPO's per-function means and the mean completion length of the training rollouts since the last call."""
+    def drain_step_tally(self) -> dict[str, tuple[float, int]]:
+        """The sums and counts behind GRPO's per-function means and mean completion length, over this process's
+        training rollouts since the last call; `step_log` merges every rank's into the logged means."""
         values, lengths = self.step_values, self.step_lengths
         self.step_values, self.step_lengths = [], []
-        logged: dict[str, float] = {}
+        tally: dict[str, tuple[float, int]] = {}
         for index, name in enumerate(self.rewards.names):
             scored = [row[index] for row in values if not math.isnan(row[index])]
             if values:
-                logged[f"rewards/{name}/mean"] = sum(scored) / len(scored) if scored else math.nan
+                tally[f"rewards/{name}/mean"] = (sum(scored), len(scored))
         if lengths:
-            logged["completions/mean_length"] = sum(lengths) / len(lengths)
+            tally["completions/mean_length"] = (sum(lengths), len(lengths))
         for name, logged_values in self.rewards.metrics.items():
-            logged[name] = sum(logged_values) / len(logged_values)
+            tally[name] = (sum(logged_values), len(logged_values))
         self.rewards.metrics = {}
-        return logged
+        return tally
+
+
+def step_log(tallies: Sequence[dict[str, tuple[float, int]]]) -> dict[str, float]:
+    """Every rank's `drain_step_tally`, merged into the means GRPO logs (NaN for a reward no row scored validly)."""
+    totals: dict[str, tuple[float, int]] = {}
+    for tally in tallies:
+        for key, (total, count) in tally.items():
+            before_total, before_count = totals.get(key, (0.0, 0))
+            totals[key] = (before_total + total, before_count + count)
+    return {key: total / count if count else math.nan for key, (total, count) in totals.items()}

@@ -164,15 +164,19 @@ def test_callback_stop_then_resume_equals_uninterrupted_bitwise(tmp_path):
 @pytest.mark.integration
 def test_two_workers_equal_one_process_bitwise(tmp_path):
     """workers=2: this process is rank 0 and one more rank trains beside it, rebuilding the trainer by import; each
-    scores one of the 2 members, and the weights after 2 steps are bitwise those of one process."""
+    scores one of the 2 members, and the weights after 2 steps are bitwise those of one process. The logged
+    per-function means and completion length cover both ranks' members, not rank 0's alone."""
     one = ESTrainer(**small_run(tmp_path / "one"))
     one.train()
     two = ESTrainer(**small_run(tmp_path / "two", workers=2, cpu_threads=1, device_memory_gib=4))
     two.train()
     assert two.state.global_step == 2
     assert_bitwise_equal(weights(one), weights(two))
-    assert [e["reward"] for e in two.state.log_history if "reward" in e] == \
-        [e["reward"] for e in one.state.log_history if "reward" in e]
+    keys = ("reward", "rewards/answer_column_reward/mean", "completions/mean_length")
+    logged = [[{key: e[key] for key in keys} for e in run.state.log_history if "reward" in e] for run in (one, two)]
+    assert len(logged[0]) == 2
+    for alone, split in zip(*logged):  # the same values summed in another grouping: equal up to rounding
+        assert split["reward"] == alone["reward"] and split == pytest.approx(alone, rel=1e-12)
 
 
 # ---- tools and an environment in the multi-turn agent loop ---------------------------------------------------------
