@@ -112,8 +112,9 @@ def _source_of(path: Path | None) -> dict[str, str | None]:
 
 
 def user_sources(spec: str, options: dict[str, Any], rewards: Sequence[RewardSpec]) -> dict[str, dict[str, str | None]]:
-    """{what: {path, sha256}} of the data files, task module and reward modules behind a run (copes' own
-    tasks and built-in rewards have none); a file that cannot be found has path and sha256 None."""
+    """{what: {path, sha256}} of the data files, task module, reward modules and ESTrainer's tool and environment
+    modules behind a run (copes' own tasks and built-in rewards have none); a file that cannot be found has path
+    and sha256 None."""
     found: dict[str, dict[str, str | None]] = {}
     folder = Path(parse_hub_spec(spec)[0]) if spec.startswith(HUB_PREFIX) else None
     if folder is not None and folder.is_dir():
@@ -123,6 +124,10 @@ def user_sources(spec: str, options: dict[str, Any], rewards: Sequence[RewardSpe
             found[f"data file {path}"] = _source_of(Path(path))
     elif spec not in task_names() and is_import_path(spec):
         found[f"task module {spec.partition(':')[0]}"] = _source_of(module_source(spec))
+    for kind, what in (("tools", "tool"), ("environment_factory", "environment")):  # ESTrainer's, as MODULE:NAME
+        for label in options.get(kind) or ():
+            if isinstance(label, str) and is_import_path(label):
+                found[f"{what} module {label.partition(':')[0]}"] = _source_of(module_source(label))
     for reward in rewards:
         if callable(reward):
             module, source = reward.__module__, inspect.getsourcefile(reward)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 
@@ -13,6 +14,7 @@ from copes.errors import ConfigError
 from copes.rollout.hf_engine import HFEngine
 from copes.run.es_trainer import REFUSED
 from copes.run.journal import read_journal
+from copes.user_code import sha256_of
 
 from helpers.tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer
 from helpers.trl_twin import SHARED_KEYS, TINY, StopAfter, answer_column_reward, arithmetic_rows, train_twin
@@ -22,8 +24,8 @@ ES_FIELDS = dict(population_size=2, num_subspaces=1, prompt_batch_size=4, sigma=
 
 
 def small_run(output_dir, **fields):
-    args = ESConfig(output_dir=str(output_dir), max_steps=2, logging_steps=1, learning_rate=0.0025, seed=0,
-                    max_completion_length=4, **{**ES_FIELDS, **fields})
+    fields = {**ES_FIELDS, "max_steps": 2, "max_completion_length": 4, **fields}
+    args = ESConfig(output_dir=str(output_dir), logging_steps=1, learning_rate=0.0025, seed=0, **fields)
     return dict(model=TINY, reward_funcs=[answer_column_reward], args=args, train_dataset=arithmetic_rows(False))
 
 
@@ -257,6 +259,54 @@ def test_tools_and_environment_drive_a_multi_turn_rollout(tmp_path, monkeypatch)
     logged = next(entry for entry in trainer.state.log_history if "reward" in entry)
     assert logged["rewards/Vault/mean"] == 0.5 and logged["rewards/says_done/mean"] == 1.0
     assert logged["reward"] == 1.5  # questions a: 1 + 1, b: 1 + 0, both members alike
+
+
+TOOLS_MODULE = '''
+def shout(text: str) -> str:
+    """Say it louder.
+
+    Args:
+        text: what to say
+    """
+    return text.upper()
+
+
+class Echo:
+    def reset(self, **row) -> str:
+        return ""
+
+    def echo(self, text: str) -> str:
+        """Repeat the text.
+
+        Args:
+            text: what to repeat
+        """
+        return text
+'''
+
+
+def test_tool_and_environment_modules_are_hashed_and_an_edit_refuses_the_resume(tmp_path, monkeypatch):
+    """Tools and environment factories from a module are journaled with its sha256, as a reward module is: a
+    resume after the module changed is refused in one line naming it (their code shapes every rollout)."""
+    module = tmp_path / "house_tools.py"
+    module.write_text(TOOLS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    house_tools = importlib.import_module("house_tools")
+
+    def run(steps: int) -> dict:
+        fields = small_run(tmp_path / "run", max_steps=steps, max_completion_length=2)
+        return {**fields, "train_dataset": arithmetic_rows(True), "tools": [house_tools.shout],
+                "environment_factory": house_tools.Echo}
+
+    ESTrainer(**run(1)).train()
+    sources = read_journal(tmp_path / "run").header["user_sources"]
+    assert sources["tool module house_tools"]["sha256"] == sha256_of(module)
+    assert sources["environment module house_tools"]["sha256"] == sha256_of(module)
+
+    module.write_text(TOOLS_MODULE + "# edited\n")
+    changed = "refused: the (tool|environment) module house_tools .* changed since the run started"
+    with pytest.raises(ConfigError, match=changed):
+        ESTrainer(**run(2)).train(resume_from_checkpoint=True)
 
 
 @pytest.mark.slow
