@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="stop training after this much wall time (the summary records the steps taken; "
