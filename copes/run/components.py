@@ -4,7 +4,6 @@ agent's settings and its tools."""
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,7 +160,8 @@ def build_agent(cfg: TrainConfig, task: Task, *, rows: int | None, context_limit
 
 
 class TimedTool:
-    """A tool whose calls add their wall time to the run's `tools` phase."""
+    """A tool whose calls add their wall time to the run's `tools` phase (the rows' calls run in parallel: the time
+    any of them was running, not their sum)."""
 
     def __init__(self, tool: Any, timer: PhaseTimer) -> None:
         self.tool, self.timer = tool, timer
@@ -169,11 +169,8 @@ class TimedTool:
 
     def call(self, arguments: dict) -> str:
         failpoint("tool")  # crash tests: die mid-turn, a tool call in flight
-        start = time.perf_counter()
-        try:
+        with self.timer.overlapping("tools"):
             return self.tool.call(arguments)
-        finally:
-            self.timer.add("tools", time.perf_counter() - start)
 
 
 def build_tools(

@@ -10,6 +10,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -28,6 +29,9 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self._inside: dict[str, int] = defaultdict(int)  # threads inside each `overlapping` phase
+        self._since: dict[str, float] = {}
+        self._lock = threading.Lock()
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
@@ -36,6 +40,22 @@ class PhaseTimer:
             yield
         finally:
             self.seconds[phase] += time.perf_counter() - start
+
+    @contextmanager
+    def overlapping(self, phase: str) -> Iterator[None]:
+        """A phase that runs on several threads at once (the rows' tool calls): adds the wall time during which at
+        least one thread was inside, never the sum over threads, so it can be subtracted from the phase around it."""
+        with self._lock:
+            if self._inside[phase] == 0:
+                self._since[phase] = time.perf_counter()
+            self._inside[phase] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside[phase] -= 1
+                if self._inside[phase] == 0:
+                    self.seconds[phase] += time.perf_counter() - self._since.pop(phase)
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
