@@ -1,11 +1,13 @@
 """What copes.ESTrainer adds to a step: the same run through `copes-run` and through ESTrainer, side by side.
 
 Both train the embedded tiny model on the same rows (a .jsonl file for copes-run, the same rows as a
-datasets.Dataset for ESTrainer) with the same TRL-signature reward (`exact_sum` below: `--reward
-estrainer_overhead:exact_sum` for copes-run, in its reward worker; called in process by ESTrainer, as TRL does), the
-same ES settings and seed. The step time of each is the Trainer's own training wall time (summary.json
-`wall_seconds`, no held-out evaluation, model loading excluded) over the steps; rounds alternate the two, and each
-keeps its fastest round (a shared machine only ever adds time). Goal: ESTrainer / copes-run <= 1.02.
+datasets.Dataset for ESTrainer) with the same reward on the same path: the built-in `exact` (`--reward exact`;
+`reward_funcs=["exact"]`), called in process by both. A user's MODULE:FUNCTION reward would not do: copes-run calls
+it in a worker process of its own (a deadline, isolation from the trainer), ESTrainer calls a Python callable in
+process as TRL does, and that difference is the reward's path, not ESTrainer's overhead. The same ES settings and
+seed; the step time of each is the Trainer's own training wall time (summary.json `wall_seconds`, no held-out
+evaluation, model loading excluded) over the steps; rounds alternate the two, and each keeps its fastest round (a
+shared machine only ever adds time). Goal: ESTrainer / copes-run <= 1.02.
 
     python bench/estrainer_overhead.py [--steps 5] [--rounds 3] [--population 8] [--prompt-batch 32]
 """
@@ -13,9 +15,7 @@ keeps its fastest round (a shared machine only ever adds time). Goal: ESTrainer 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
 import random
 import subprocess
 import sys
@@ -24,12 +24,7 @@ from pathlib import Path
 
 from common.harness import machine_note, report
 
-BENCH = Path(__file__).resolve().parent
-
-
-def exact_sum(completions: list, answer: list, **kwargs) -> list[float]:
-    """1 for the exact sum (TRL's reward signature; standard data, so completions are strings)."""
-    return [float(str(completion).strip() == gold) for completion, gold in zip(completions, answer)]
+REWARD = "exact"  # a built-in: both paths call it in process
 
 
 def rows(count: int = 500) -> list[dict[str, str]]:
@@ -47,11 +42,9 @@ def settings(options: argparse.Namespace) -> dict[str, object]:
 
 def through_copes_run(data: Path, out: Path, options: argparse.Namespace) -> float:
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in settings(options).items()]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-c", "from copes.cli import run_command; run_command()", *flags,
-                    f"--task={data}", "--task-options", "chat=false", "--reward=estrainer_overhead:exact_sum",
-                    "--model=tiny", f"--output-dir={out}", "--quiet"],
-                   check=True, env=env, stdout=subprocess.DEVNULL)
+                    f"--task={data}", "--task-options", "chat=false", f"--reward={REWARD}", "--model=tiny",
+                    f"--output-dir={out}", "--quiet"], check=True, stdout=subprocess.DEVNULL)
     return json.loads((out / "summary.json").read_text())["wall_seconds"] / options.steps
 
 
@@ -62,8 +55,7 @@ def through_estrainer(data: list[dict[str, str]], out: Path, options: argparse.N
     from copes.run.es_config import GRPO_NAMES
 
     es_fields = {GRPO_NAMES.get(name, name): value for name, value in settings(options).items()}
-    reward = importlib.import_module("estrainer_overhead").exact_sum  # by module, as copes-run has it: hashed alike
-    trainer = ESTrainer(model="tiny", reward_funcs=[reward], args=ESConfig(output_dir=str(out), **es_fields),
+    trainer = ESTrainer(model="tiny", reward_funcs=[REWARD], args=ESConfig(output_dir=str(out), **es_fields),
                         train_dataset=Dataset.from_list(data))
     trainer.train()
     return trainer.summary["wall_seconds"] / options.steps
