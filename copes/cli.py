@@ -19,7 +19,7 @@ import click
 import yaml
 
 from copes.errors import UserError
-from copes.run.config import FIELD_NAMES, ConfigError, TrainConfig, build_config, read_yaml
+from copes.run.config import FIELD_NAMES, ConfigError, TrainConfig, build_config, config_with_preset, read_yaml
 
 USER_ERROR_STATUS = 2
 COMMAND_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
@@ -95,21 +95,12 @@ def config_options(
     return decorate
 
 
-def _layers(config_file: str | None, flags: dict[str, Any]) -> list[dict[str, Any]]:
-    """Config layers in precedence order: model preset < --config file < flags (empty repeatables are unset)."""
-    from copes.modeling import EMBEDDED_MODEL, read_preset
-
-    flags = {k: (None if v == () else v) for k, v in flags.items()}
-    file_layer = read_yaml(config_file) if config_file else {}
-    model = flags.get("model") or file_layer.get("model") or EMBEDDED_MODEL
-    preset = read_preset(model, flags.get("algorithm") or file_layer.get("algorithm"))
-    return [read_yaml(preset) if preset else {}, file_layer, flags]
-
-
 def _config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
-    """The run's config; options the user set that its algorithm does not use are named on stderr."""
-    preset, file_layer, flag_layer = _layers(config_file, flags)
-    cfg = build_config(preset, file_layer, flag_layer)
+    """The run's config: the model's preset < --config file < flags (empty repeatables are unset); options the user
+    set that its algorithm does not use are named on stderr."""
+    flag_layer = {k: (None if v == () else v) for k, v in flags.items()}
+    file_layer = read_yaml(config_file) if config_file else {}
+    cfg = config_with_preset(file_layer, flag_layer)
     user_set = {k for layer in (file_layer, flag_layer) for k, v in layer.items() if v is not None}
     for name in cfg.ignored_options(user_set):
         click.echo(f"warning: --{name.replace('_', '-')} does not apply to --algorithm {cfg.algorithm}; ignored",
@@ -178,8 +169,9 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     if resume:
         trainer.resume(resume)
     say = click.echo if trainer.is_main else (lambda *_: None)  # under torchrun, rank 0 speaks for all
+    budget = f" budget={cfg.budget_hours * 60:g}min" if cfg.budget_hours else ""  # the tiny models' presets set one
     say(f"{cfg.method} on {cfg.task}: N={cfg.population} K={cfg.num_subspaces} sigma={cfg.sigma} "
-               f"lr={cfg.lr} model={cfg.model} device={trainer.device} -> {cfg.output_dir}")
+        f"lr={cfg.lr} model={cfg.model} device={trainer.device}{budget} -> {cfg.output_dir}")
     try:
         summary = trainer.train()
     except KeyboardInterrupt:  # the journal holds every member scored so far: say how to go on, not "Aborted!"

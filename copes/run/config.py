@@ -267,6 +267,16 @@ def build_config(*layers: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**merged).validate()
 
 
+def config_with_preset(*layers: dict[str, Any]) -> TrainConfig:
+    """`build_config(*layers)` over the model's own preset (`copes.yaml` in its folder, the embedded models' ES
+    settings, their time budget included), as copes-run and copes.train both read it."""
+    from copes.modeling import EMBEDDED_MODEL, read_preset  # torch and transformers: only when a run is built
+
+    given = {k: v for layer in layers for k, v in layer.items() if v is not None}
+    preset = read_preset(given.get("model") or EMBEDDED_MODEL, given.get("algorithm"))
+    return build_config(read_yaml(preset) if preset else {}, *layers)
+
+
 def _coerce(name: str, value: Any, annotation: str) -> Any:
     if annotation.startswith("list"):
         if annotation == "list[float]":  # --reward-weights 1,0.5 or repeated, or a YAML list

@@ -36,7 +36,7 @@ from copes.run.components import (
     task_from_config,
     warn_at_start,
 )
-from copes.run.config import TrainConfig, build_config
+from copes.run.config import TrainConfig, build_config, config_with_preset
 from copes.run.distributed import (
     barrier,
     broadcast_value,
@@ -343,14 +343,15 @@ class Trainer:
 
 def train(config: TrainConfig | dict[str, Any], *, task: Any = None, reward: Any = None, resume: str | None = None,
           progress: bool = False) -> dict[str, Any]:
-    """A whole run from Python, as `copes-run` does it: `config` is a TrainConfig or a mapping of its fields
-    (validated onto the defaults; the model's preset is not read; an unknown key is a ConfigError); `task` a Task
-    object and `reward` reward functions (callables or specs), also accepted as the mapping's "task" and
-    "reward"; `resume` a run dir or checkpoint. Returns the summary (also written to summary.json)."""
+    """A whole run from Python, as `copes-run` does it: `config` is a TrainConfig (every field set) or a mapping of
+    its fields, laid over the model's preset and the defaults as copes-run lays its flags (an unknown key is a
+    ConfigError); `task` a Task object and `reward` reward functions (callables or specs), also accepted as the
+    mapping's "task" and "reward"; `resume` a run dir or checkpoint. Returns the summary (also in summary.json)."""
     layer = {**(config.to_dict() if isinstance(config, TrainConfig) else config),
              **({"task": task} if task is not None else {}), **({"reward": reward} if reward is not None else {})}
     plain, given = split_given(layer)
-    trainer = Trainer(claim_output_dir(build_config(plain), resuming=bool(resume)), progress=progress, given=given)
+    cfg = build_config(plain) if isinstance(config, TrainConfig) else config_with_preset(plain)
+    trainer = Trainer(claim_output_dir(cfg, resuming=bool(resume)), progress=progress, given=given)
     if resume:
         trainer.resume(resume)
     return trainer.train()

@@ -19,6 +19,7 @@ def reference_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference")
     result = copes_run("--steps", "4", "--checkpoint-every", "1", "--output-dir", str(out))
     assert result.returncode == 0, result.stderr
+    assert " budget=4.5min -> " in result.stdout  # the embedded model's time budget, said at start
     return out
 
 
@@ -182,6 +183,7 @@ def test_train_runs_a_whole_copes_run_from_python(tmp_path):
     summary = copes.train({"population": 4, "subspaces": 2, "prompt_batch": 4, "steps": 1, "eval_size": 8,
                            "max_new_tokens": 6, "checkpoint_every": 0, "cpu_threads": 1, "output_dir": str(tmp_path)})
     assert summary["steps"] == 1 and summary["eval_after"]["accuracy"] is not None
+    assert summary["config"]["sigma"] == 0.01 and summary["config"]["lr"] == 0.0025  # the embedded model's preset
     assert {"compile", "held_out", "rollout", "update"} <= summary["phase_seconds"].keys()
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
 

@@ -3,7 +3,7 @@
 
 import pytest
 
-from copes.run.config import ConfigError, TrainConfig, build_config, read_yaml
+from copes.run.config import ConfigError, TrainConfig, build_config, config_with_preset, read_yaml
 
 from helpers.paths import REPO
 
@@ -126,3 +126,15 @@ def test_options_the_algorithm_does_not_use_are_named():
     assert build_config({"algorithm": "eggroll"}).ignored_options(asked) == ["subspaces", "restore", "chunk_size"]
     assert build_config({"algorithm": "copes"}).ignored_options(asked) == ["rank"]
     assert build_config({"algorithm": "copes-lowrank"}).ignored_options(asked) == ["restore", "chunk_size"]
+
+
+def test_copes_run_and_copes_train_read_the_same_model_preset():
+    """The embedded model's copes.yaml (its ES settings and time budget) lies under the user's settings for both
+    entry points; copes.train ignored it, running the tiny model at the paper's 4B settings."""
+    from copes.cli import _config
+
+    through_cli = _config(None, {"task": "arithmetic", "steps": 3})
+    through_python = config_with_preset({"task": "arithmetic", "steps": 3})
+    assert through_cli == through_python
+    assert (through_python.sigma, through_python.population, through_python.budget_hours) == (0.01, 40, 0.075)
+    assert config_with_preset({"budget_hours": 1.0}).budget_hours == 1.0
