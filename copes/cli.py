@@ -169,6 +169,11 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     if resume:
         trainer.resume(resume)
     say = click.echo if trainer.is_main else (lambda *_: None)  # under torchrun, rank 0 speaks for all
+    summary_file = Path(cfg.output_dir) / "summary.json"
+    if resume and trainer.start_step >= cfg.steps and summary_file.is_file():  # nothing left, not even the final eval
+        say(f"{resume} already finished its {trainer.start_step} steps (summary: {summary_file}); to train it "
+            f"further, resume with --steps N, N > {trainer.start_step}")
+        return
     budget = f" budget={cfg.budget_hours * 60:g}min" if cfg.budget_hours else ""  # the tiny models' presets set one
     say(f"{cfg.method} on {cfg.task}: N={cfg.population} K={cfg.num_subspaces} sigma={cfg.sigma} "
         f"lr={cfg.lr} model={cfg.model} device={trainer.device}{budget} -> {cfg.output_dir}")

@@ -138,6 +138,17 @@ def test_bad_input_through_the_console_script_is_one_line_and_status_2(tmp_path)
 
 
 @pytest.mark.integration
+def test_resuming_a_finished_run_without_more_steps_says_how_to_go_on(reference_run):
+    """--resume of a run that finished its steps changes nothing and says to raise --steps (it used to re-run the
+    final evaluation and print the old result as if it were new)."""
+    summary = (reference_run / "summary.json").read_bytes()
+    result = run_in_process("--resume", str(reference_run))
+    assert result.exit_code == 0, result.stderr
+    assert "already finished its 4 steps" in result.output and "--steps N, N > 4" in result.output
+    assert (reference_run / "summary.json").read_bytes() == summary
+
+
+@pytest.mark.integration
 def test_resume_from_a_different_run_is_refused(reference_run, tmp_path):
     result = copes_run("--steps", "5", "--sigma", "0.5", "--output-dir", str(tmp_path), "--resume", str(reference_run))
     assert result.returncode == 2
