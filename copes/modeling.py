@@ -110,7 +110,7 @@ def _conv1d_widening_depthwise(input, weight, bias=None, stride=1, padding=0, di
     CPU kernel for that case takes a slow path: 46 ms for 2 rows x 8192 channels x 4 taps against 0.3 ms in float32,
     and at Qwen3.5-4B's shape it was 97% of a bf16 decode step (24 gated delta-net layers, one conv each). The
     products of two bf16 values are exact in float32 and both kernels accumulate in float32, so the result is the
-    same bits (tests/test_modeling.py)."""
+    same bits (tests/rollout/test_rollout.py)."""
     if input.device.type == "cpu" and input.dtype in (torch.bfloat16, torch.float16) and groups == input.shape[-2] > 1:
         widened_bias = None if bias is None else bias.float()
         out = F.conv1d(input.float(), weight.float(), widened_bias, stride, padding, dilation, groups)
