@@ -97,8 +97,6 @@ _RUN_AND_REPORT = (
 )
 
 
-@pytest.mark.skipif(SETPRIV is None or SYSTEM_PYTHON is None, reason="needs setpriv and a system Python")
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to a non-root user needs root")
 @pytest.fixture
 def importable_by_anyone() -> Iterator[Path]:
     """A copy of the copes package that any uid can import (a folder on PYTHONPATH): the checkout itself may sit
@@ -110,6 +108,8 @@ def importable_by_anyone() -> Iterator[Path]:
     shutil.rmtree(folder)
 
 
+@pytest.mark.skipif(SETPRIV is None or SYSTEM_PYTHON is None, reason="needs setpriv and a system Python")
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to a non-root user needs root")
 def test_a_non_root_caller_is_contained(tmp_path: Path, importable_by_anyone: Path) -> None:
     """uid 4242 with a delegated cgroup (as systemd gives a user): contained in the namespaces tier, its own
     0600 files out of the code's sight."""
