@@ -3,17 +3,33 @@ pids and cpuacct cgroups delegated to it (the sandbox needs a whole-run cgroup i
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+from helpers.paths import REPO
 
 SETPRIV = shutil.which("setpriv")
 # A system interpreter other uids can reach (the trainer's own may live under a 0700 /root).
 SYSTEM_PYTHON = next((path for path in ("/usr/bin/python3", "/usr/bin/python3.11") if os.path.exists(path)), None)
 NON_ROOT_UID = 4242
+
+
+@functools.cache
+def package_for_any_user() -> str:
+    """A PYTHONPATH folder holding a world-readable copy of the copes package, for a process run as another uid:
+    the checkout may sit under a home only its owner can enter (issue #37). Made once per session, removed at exit."""
+    folder = Path(tempfile.mkdtemp(prefix="copes-package-"))
+    folder.chmod(0o755)
+    shutil.copytree(REPO / "copes", folder / "copes", ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return str(folder)
 
 
 @contextlib.contextmanager

@@ -11,9 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import pytest
 from copes.tools import PythonSandbox, SandboxResult
 
 from helpers.paths import REPO
-from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, delegated_cgroups
+from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, delegated_cgroups, package_for_any_user
 
 # What the code prints: where its interpreter thinks it lives, and whether the prefix's other files are there.
 PROBE = (
@@ -97,20 +95,9 @@ _RUN_AND_REPORT = (
 )
 
 
-@pytest.fixture
-def importable_by_anyone() -> Iterator[Path]:
-    """A copy of the copes package that any uid can import (a folder on PYTHONPATH): the checkout itself may sit
-    under a home only its owner can enter, where uid 4242 cannot import it (issue #37)."""
-    folder = Path(tempfile.mkdtemp(prefix="copes-package-"))
-    folder.chmod(0o755)
-    shutil.copytree(REPO / "copes", folder / "copes", ignore=shutil.ignore_patterns("__pycache__", "assets"))
-    yield folder
-    shutil.rmtree(folder)
-
-
 @pytest.mark.skipif(SETPRIV is None or SYSTEM_PYTHON is None, reason="needs setpriv and a system Python")
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to a non-root user needs root")
-def test_a_non_root_caller_is_contained(tmp_path: Path, importable_by_anyone: Path) -> None:
+def test_a_non_root_caller_is_contained(tmp_path: Path) -> None:
     """uid 4242 with a delegated cgroup (as systemd gives a user): contained in the namespaces tier, its own
     0600 files out of the code's sight."""
     uid = 4242
@@ -124,7 +111,7 @@ def test_a_non_root_caller_is_contained(tmp_path: Path, importable_by_anyone: Pa
     script = _RUN_AND_REPORT.format(python=SYSTEM_PYTHON, code=code)
     with delegated_cgroups(uid) as as_user:
         completed = subprocess.run([*as_user, SYSTEM_PYTHON, "-c", script], capture_output=True, text=True,
-                                   timeout=180, env=dict(os.environ, PYTHONPATH=str(importable_by_anyone)), cwd="/")
+                                   timeout=180, env=dict(os.environ, PYTHONPATH=package_for_any_user()), cwd="/")
     assert completed.returncode == 0, completed.stdout + completed.stderr[-2000:]
     report = json.loads(completed.stdout.splitlines()[-1])
     assert report["stdout"].strip() == str(errno.ENOENT) and report["tier"] == "namespaces"

@@ -19,7 +19,7 @@ from functools import cache
 import pytest
 
 from helpers.paths import REPO
-from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, delegated_cgroups
+from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, delegated_cgroups, package_for_any_user
 
 pytestmark = [
     pytest.mark.slow,
@@ -221,7 +221,7 @@ def _run_battery(configuration: str) -> dict | str:
     if non_root and (os.geteuid() != 0 or SETPRIV is None or SYSTEM_PYTHON is None):
         pytest.skip("a non-root caller needs root to switch to it, setpriv and a system Python")
     arguments = ["-c", _TRAINER, tier, _ATTACKS, "1" if non_root else "0"]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=package_for_any_user() if non_root else str(REPO))
     if non_root:
         with delegated_cgroups() as as_user:
             completed = subprocess.run([*as_user, SYSTEM_PYTHON, *arguments], capture_output=True, text=True,
