@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from copes.errors import UserError
 from copes.extras import require
@@ -111,6 +113,20 @@ class HubSplit:
     config: str | None = None
 
 
+def _hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be asked now (offline mode, or no connection within `timeout_s`); None when
+    it answers. A cached copy of the dataset is not consulted: local data belongs under the data dir."""
+    if any(os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+           for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return "offline mode is set"
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((host.hostname, host.port or 443), timeout=timeout_s).close()
+    except OSError as error:
+        return f"{host.hostname} cannot be reached: {error.strerror or error}"
+    return None
+
+
 def load_split_rows(
     data_dir: Path | None, local_files: Iterable[str], hub: HubSplit | None, required: Iterable[str]
 ) -> list[dict[str, Any]]:
@@ -121,14 +137,19 @@ def load_split_rows(
         for relative in local_files:
             if (data_dir / relative).is_file():
                 return read_rows(data_dir / relative, required)
+    missing = (f"no local file among {list(local_files)} under data dir {data_dir}; pass --data-dir (data_dir=) or "
+               f"set ${DATA_DIR_ENV} to a folder holding {local_files[0]}")
     if hub is None:
-        raise DatasetError(
-            f"no local file among {list(local_files)} under data dir {data_dir} and no hub copy of this split; "
-            f"pass data_dir= or set ${DATA_DIR_ENV}"
-        )
+        raise DatasetError(f"{missing} (this split has no hub copy)")
+    unreachable = _hub_unreachable()
+    if unreachable:  # one line now, not datasets' retries and a traceback half a minute later
+        raise DatasetError(f"{missing}, or reach the hub for {hub.repo} ({unreachable})")
     datasets = require("datasets")  # slow to import and needs the network: only when a split comes from the hub
 
-    dataset = datasets.load_dataset(hub.repo, hub.config, split=hub.split)
+    try:
+        dataset = datasets.load_dataset(hub.repo, hub.config, split=hub.split)
+    except ConnectionError as error:
+        raise DatasetError(f"{missing}, or reach the hub ({error})") from None
     where = f"hub {hub.repo}[{hub.config or 'default'}] split {hub.split}"
     return [_check_fields(dict(row), required, f"{where}: row {index}") for index, row in enumerate(dataset)]
 

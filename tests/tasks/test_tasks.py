@@ -15,6 +15,7 @@ from copes.tasks.loading import DatasetError, default_data_dir, read_rows
 from copes.tasks.math_tasks import MATH_INSTRUCTION
 from copes.tasks.qa_tasks import QA_INSTRUCTION
 
+from helpers.cli_runs import copes_run
 from helpers.datadir import DATA_DIR, FULL_DATA, SHARED_DATA_DIR, needs_full_data
 from helpers.paths import FIXTURES
 
@@ -200,6 +201,18 @@ def test_json_data_wrapper_and_parquet(tmp_path: Path) -> None:
 def test_split_without_a_local_file_or_hub_copy(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="no local file"):
         get_task("hotpotqa", data_dir=tmp_path).examples("test")
+
+
+@pytest.mark.integration
+def test_a_task_without_local_data_offline_is_one_line_and_status_2(tmp_path: Path) -> None:
+    """`copes-run --task hotpotqa` with an empty data dir and the hub off: one line naming --data-dir and
+    COPES_DATA_DIR, status 2, at once (it was datasets' retries, then a 60-line traceback and status 1)."""
+    result = copes_run("--task", "hotpotqa", "--output-dir", str(tmp_path / "run"),
+                       env={"COPES_DATA_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--data-dir" in lines[0] and "$COPES_DATA_DIR" in lines[0], result.stderr[-2000:]
+    assert "qa/hotpotqa_distractor_train.jsonl" in lines[0] and "offline mode is set" in lines[0]
 
 
 def test_default_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
