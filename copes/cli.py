@@ -78,7 +78,7 @@ def config_options(
             help_text = f.metadata["help"] + ("" if f.name in defaults or shown in (None, [], {})
                                               else f" [default: {shown}]")
             kwargs: dict[str, Any] = {"default": default, "help": help_text}
-            if annotation == "bool":
+            if annotation in ("bool", "bool | None"):
                 flag = f"{flag}/--no-{flag[2:]}"
             elif annotation.startswith("list"):
                 kwargs.update(multiple=True, default=None, help=f"{help_text} (repeatable)")

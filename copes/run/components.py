@@ -173,15 +173,25 @@ class TimedTool:
             return self.tool.call(arguments)
 
 
+def tools_on(enabled: bool | None, task: Task) -> bool:
+    """Whether the agent gets tools: `--tools` / `--no-tools` as given; unset, on for copes' own tasks and task
+    plugins and off for a data file or hub dataset (a user's rows expect plain answers, and the tools' instructions
+    would take the prompt). A task without chat never has them."""
+    from copes.tasks.file_task import FileTask
+
+    return bool(task.chat) and (enabled if enabled is not None else not isinstance(task, FileTask))
+
+
 def build_tools(
-    task: Task, *, enabled: bool, corpus: str | None, retriever_url: str | None, timer: PhaseTimer, corpus_dir: Path,
-    unsafe_sandbox: bool = False,
+    task: Task, *, enabled: bool | None, corpus: str | None, retriever_url: str | None, timer: PhaseTimer,
+    corpus_dir: Path, unsafe_sandbox: bool = False,
 ) -> list[TimedTool]:
-    """Python sandbox for every chat task; search too when a retriever or corpus is available.
+    """Python sandbox for every chat task with tools on (`tools_on`); search too when a retriever or corpus is
+    available.
 
     The sandbox is checked here, before any training: SandboxUnavailable (a ConfigError) names what this machine
     lacks, unless `unsafe_sandbox` asks to run without it."""
-    if not enabled or not task.chat:
+    if not tools_on(enabled, task):
         return []
     from copes.tools import BM25Search, HttpRetriever, PythonSandbox, PythonTool, SearchTool
 

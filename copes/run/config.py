@@ -92,7 +92,9 @@ class TrainConfig:
                                 "generates (the same rewards and journal; a kill may then lose two members, not one)")
     max_turns: int = _opt(8, "agent turns per question (tool calls need turns)")
     max_context_tokens: int = _opt(131072, "hard cap on prompt + generated tokens per question (paper: 128K)")
-    tools: bool = _opt(True, "let the agent call the Python sandbox and search (where the task supports them)")
+    tools: bool | None = _opt(None, "let the agent call the Python sandbox and search where the task supports them "
+                                    "(default: on for copes' own tasks and task plugins, off for a data file or a hub "
+                                    "dataset, whose rows expect none)")
     tool_budgets: dict[str, int] = _opt({}, "calls allowed per tool per question, e.g. python=5 search=3 "
                                             "(default: the paper's for the task kind)")
     tool_format: str = _opt("auto", "tool-call format: qwen (<tool_call> JSON) | tags (<python>/<search>) | "

@@ -521,9 +521,11 @@ def _plan_vllm(cfg: TrainConfig, plan: MemoryPlan, device: str) -> None:
 
 def _task_uses_tools(cfg: TrainConfig) -> bool:
     """Whether the run's agent takes tool turns (a chat task with tools on); unknown tasks plan for tools."""
-    if not cfg.tools:
-        return False
     from copes.tasks import get_task
+    from copes.tasks.file_task import HUB_PREFIX, is_dataset_file
+
+    if cfg.tools is False or (cfg.tools is None and (is_dataset_file(cfg.task) or cfg.task.startswith(HUB_PREFIX))):
+        return False  # components.tools_on: a file or hub task has no tools unless asked
 
     try:
         return bool(get_task(cfg.task).chat)

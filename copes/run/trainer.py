@@ -34,6 +34,7 @@ from copes.run.components import (
     rollout_lora,
     split_given,
     task_from_config,
+    tools_on,
     warn_at_start,
 )
 from copes.run.config import TrainConfig, build_config, config_with_preset
@@ -85,7 +86,7 @@ class Trainer:
         device = str(self.dist.device) if self.dist else cfg.device
         # Refuses what cannot fit before anything loads; its one-line summary is said when training starts, so a
         # mistake found before then (a journal, a resume, an output option) is still the only line on stderr.
-        self.plan = check_plan(cfg, device=device, uses_tools=cfg.tools and self.task.chat, say=lambda line: None)
+        self.plan = check_plan(cfg, device=device, uses_tools=tools_on(cfg.tools, self.task), say=lambda line: None)
         self.model, self.tokenizer, self.device = load_rollout_model(
             cfg.model, engine=cfg.rollout_engine, device=device, dtype=cfg.dtype, cpu_threads=cfg.cpu_threads,
             kv_cache_gib=self.plan.vllm_kv_cache_gib, max_context_tokens=cfg.max_context_tokens,
