@@ -175,7 +175,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
             f"further, resume with --steps N, N > {trainer.start_step}")
         return
     budget = f" budget={cfg.budget_hours * 60:g}min" if cfg.budget_hours else ""  # the tiny models' presets set one
-    say(f"{cfg.method} on {cfg.task}: N={cfg.population} K={cfg.num_subspaces} sigma={cfg.sigma} "
+    say(f"{cfg.method} on {cfg.task_label}: N={cfg.population} K={cfg.num_subspaces} sigma={cfg.sigma} "
         f"lr={cfg.lr} model={cfg.model} device={trainer.device}{budget} -> {cfg.output_dir}")
     try:
         summary = trainer.train()

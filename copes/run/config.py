@@ -215,6 +215,11 @@ class TrainConfig:
         return self.subspaces if self.algorithm in SUBSPACE_ALGORITHMS else 1
 
     @property
+    def task_label(self) -> str:
+        """The task as progress lines name it: a data file by its file name (the config holds its absolute path)."""
+        return Path(self.task).name if "/" in self.task and not self.task.startswith("hf:") else self.task
+
+    @property
     def method(self) -> str:
         """What the run is, for people: CoPES with one subspace is standard ES, whichever flag asked for it."""
         return "es" if self.algorithm == "copes" and self.num_subspaces == 1 else self.algorithm
@@ -274,9 +279,35 @@ def config_with_preset(*layers: dict[str, Any]) -> TrainConfig:
     settings, their time budget included), as copes-run and copes.train both read it."""
     from copes.modeling import EMBEDDED_MODEL, read_preset  # torch and transformers: only when a run is built
 
+    layers = tuple(absolute_paths(layer) for layer in layers)
     given = {k: v for layer in layers for k, v in layer.items() if v is not None}
     preset = read_preset(given.get("model") or EMBEDDED_MODEL, given.get("algorithm"))
     return build_config(read_yaml(preset) if preset else {}, *layers)
+
+
+def absolute_paths(layer: dict[str, Any]) -> dict[str, Any]:
+    """`layer` with the local files and folders it names relative to the working directory made absolute (a data
+    file task, `hf:` folder, eval_file, data_dir, search corpus, model folder): the journal then holds paths a
+    `--resume` from any other directory finds."""
+    from copes.tasks.file_task import HUB_PREFIX, is_dataset_file
+
+    def resolved(path: Any) -> Any:
+        return str(Path(path).resolve()) if isinstance(path, str) and path and Path(path).exists() else path
+
+    out = dict(layer)
+    for key in ("data_dir", "search_corpus", "model"):
+        if key in out:
+            out[key] = resolved(out[key])
+    task = out.get("task")
+    if isinstance(task, str) and task.startswith(HUB_PREFIX):
+        folder, _, config = task[len(HUB_PREFIX):].partition(":")
+        out["task"] = HUB_PREFIX + resolved(folder) + (f":{config}" if config else "")
+    elif isinstance(task, str) and is_dataset_file(task):
+        out["task"] = resolved(task)
+    options = out.get("task_options")
+    if isinstance(options, dict) and "eval_file" in options:
+        out["task_options"] = {**options, "eval_file": resolved(options["eval_file"])}
+    return out
 
 
 def _coerce(name: str, value: Any, annotation: str) -> Any:

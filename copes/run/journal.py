@@ -31,7 +31,7 @@ import torch
 from copes.es.selection import tensor_id_for
 from copes.es.strategies.base import Strategy
 from copes.failpoints import failpoint
-from copes.run.config import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, build_config
+from copes.run.config import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, absolute_paths, build_config
 from copes.tasks.plugins import changed_source, user_sources
 
 JOURNAL_NAME = "journal"
@@ -117,7 +117,8 @@ def resume_config(run_dir: str | Path, file_layer: dict[str, Any], flags: dict[s
     header = read_header(run_dir)
     saved = {k: v for k, v in header["config"].items() if k in FIELD_NAMES}
     flags = {k: v for k, v in flags.items() if v != ()}  # a repeatable option left empty is unset, not []
-    cfg = build_config(saved, file_layer, {**flags, "output_dir": flags.get("output_dir") or str(run_dir)})
+    flags = {**absolute_paths(flags), "output_dir": flags.get("output_dir") or str(run_dir)}
+    cfg = build_config(saved, absolute_paths(file_layer), flags)
     check_same_run(run_dir, header, cfg)
     if Path(cfg.output_dir).resolve() != Path(run_dir).resolve():
         raise ConfigError(f"--resume {run_dir} continues that run in its own directory; --output-dir "

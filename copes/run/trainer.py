@@ -283,7 +283,7 @@ class Trainer:
                 tqdm.write(f"held-out accuracy before training: {100 * record.eval_before['accuracy']:.1f}% "
                            f"({record.eval_before['questions']} questions)", file=sys.stderr)
         stopped_by, step = "steps", self.start_step
-        bar = progress_bar(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task}",
+        bar = progress_bar(range(self.start_step, cfg.steps), desc=f"{cfg.algorithm} on {cfg.task_label}",
                            initial=self.start_step, total=cfg.steps, enabled=self.progress and self.is_main)
         for step in bar:
             examples = [self.train_set[i] for i in batch_indices(step, cfg.prompt_batch, len(self.train_set), cfg.seed)]
@@ -338,7 +338,8 @@ class Trainer:
             "gpu_hours": round(wall / 3600 * (self.device.type == "cuda"), 4), "config": self.cfg.to_dict(),
         }
         if self.is_main:
-            self.record.write_summary(summary, f"{self.cfg.method} on {self.cfg.task} ({Path(self.cfg.model).name})")
+            title = f"{self.cfg.method} on {self.cfg.task_label} ({Path(self.cfg.model).name})"
+            self.record.write_summary(summary, title)
         return summary
 
 

@@ -28,13 +28,14 @@ TORCHRUN_PAIR = [sys.executable, "-m", "torch.distributed.run", "--standalone", 
 INTEGRATION_TEST = True
 
 
-def copes_run(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def copes_run(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
+              cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     assert INTEGRATION_TEST, "this test starts copes-run: mark it @pytest.mark.integration (see docs/testing.md)"
     executable = shutil.which("copes-run")
     assert executable, "copes-run is not on PATH: pip install -e . first"
     return subprocess.run(
         [executable, "--model", MODEL, *FAST_FLAGS, *args], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {})}, cwd=cwd,
     )
 
 

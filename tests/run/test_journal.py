@@ -5,6 +5,7 @@ tail is dropped cleanly, while a flipped byte, a gap, another config or a change
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -441,3 +442,26 @@ def test_the_header_version_is_the_installed_distributions() -> None:
     from copes.run.journal import copes_version
 
     assert copes_version() == importlib.metadata.version("copes") == copes.__version__
+
+
+@pytest.mark.integration
+def test_a_run_on_relative_data_files_resumes_from_any_directory(tmp_path: Path) -> None:
+    """Data named relative to the working directory is journaled absolute, so `--resume` from another directory
+    finds it (it said the data file "cannot be found any more" while printing its unchanged path)."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    rows = [json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a in range(10) for b in range(10)]
+    (project / "data" / "sums.jsonl").write_text("".join(rows[:80]))
+    (project / "data" / "held_out.jsonl").write_text("".join(rows[80:]))
+    run = tmp_path / "run"
+    first = copes_run("--task", "data/sums.jsonl", "--task-options", "chat=false",
+                      "--task-options", "eval_file=data/held_out.jsonl", "--steps", "1", "--output-dir", str(run),
+                      cwd=project)
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = copes_run("--resume", str(run), "--steps", "2", cwd=elsewhere)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    config = read_journal(run).header["config"]
+    assert config["task"] == str(project / "data" / "sums.jsonl")
+    assert config["task_options"]["eval_file"] == str(project / "data" / "held_out.jsonl")
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2

@@ -116,7 +116,9 @@ def test_a_jsonl_file_with_its_own_fields_trains_with_a_user_reward(reference):
     assert len(rewards) == 2 * 4 * 8  # steps x population x questions
     assert all(value - 100 * round(value // 100) in (0.0, 1.0) and value >= 100 for value in rewards)  # 100*level+exact
     sources = contents.header["user_sources"]
-    assert set(sources) == {"data file train.jsonl", "data file eval.jsonl", "reward module user_rewards"}
+    project = reference.parent  # the data files are journaled by absolute path (a resume may start anywhere)
+    assert set(sources) == {f"data file {project / 'train.jsonl'}", f"data file {project / 'eval.jsonl'}",
+                            "reward module user_rewards"}
     assert all(len(source["sha256"]) == 64 for source in sources.values())
 
 
