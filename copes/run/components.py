@@ -142,7 +142,9 @@ def eval_examples(task: Task, cfg: TrainConfig, *, warn: bool) -> list[Example]:
                 print(f"warning: eval_size={cfg.eval_size} but the {split} split of {cfg.task} has "
                       f"{len(examples)} questions; evaluating on all {len(examples)}", file=sys.stderr)
             return examples
-    raise ConfigError(f"task {cfg.task} has no held-out split to evaluate on")
+    raise ConfigError(f"task {cfg.task_label} has no held-out split to evaluate on: give held-out rows (--task-options "
+                      "eval_file=FILE for a data file, eval_split=SPLIT for a hub dataset), or --eval-size 0 to train "
+                      "without a held-out evaluation")
 
 
 def build_agent(cfg: TrainConfig, task: Task, *, rows: int | None, context_limit: int | None = None) -> AgentConfig:

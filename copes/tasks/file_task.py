@@ -14,6 +14,7 @@ counts as correct (held-out accuracy) when the first reward function gives it at
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -122,6 +123,12 @@ class FileTask(RewardScored, TaskBase):
         self.rewards = rewards or RewardSet([resolve_reward("exact", answer_field=answer_field)])
         self._rows = self._load_rows(eval_file, eval_split)
         self._cache: dict[str, list[Example]] = {}
+        # A gold column no row has: named by the user, or read by the default reward, it would score every row 0.
+        train_rows = self._rows["train"]
+        if (answer_field != "answer" or rewards is None) and not any(answer_field in row for row in train_rows):
+            columns = sorted({key for row in train_rows[:100] for key in row})
+            raise ConfigError(f"{source}: no row has the answer column {answer_field!r} (task option answer_field=); "
+                              f"its columns are {columns}")
 
     def _load_rows(self, eval_file: str | None, eval_split: str | None) -> dict[str, list[dict[str, Any]]]:
         required = (self.prompt_field,)
@@ -167,3 +174,7 @@ class FileTask(RewardScored, TaskBase):
 
     def columns(self, example: Example) -> dict[str, Any]:
         return dict(example.meta)
+
+
+# The task options (`--task-options KEY=VALUE`) a data file or hub task takes: its keyword arguments.
+FILE_TASK_OPTIONS = frozenset(inspect.signature(FileTask.__init__).parameters) - {"self", "source", "rewards"}

@@ -28,7 +28,7 @@ from copes.rewards.functions import (
     resolve_reward,
 )
 from copes.tasks.base import Example, Task, get_task, task_names
-from copes.tasks.file_task import HUB_PREFIX, FileTask, RewardScored, is_dataset_file, parse_hub_spec
+from copes.tasks.file_task import FILE_TASK_OPTIONS, HUB_PREFIX, FileTask, RewardScored, is_dataset_file, parse_hub_spec
 from copes.user_code import import_object, is_import_path, module_source, sha256_of
 
 RewardSpec = str | Callable[..., Any]
@@ -84,6 +84,10 @@ def build_task(spec: str, options: dict[str, Any], *, rewards: Sequence[RewardSp
     if spec.startswith(HUB_PREFIX) or is_dataset_file(spec):
         answer_field = options.get("answer_field", "answer")
         scoring = reward_set(rewards, reward_weights, answer_field, reward_timeout_s) if rewards else None
+        unknown = sorted(set(options) - FILE_TASK_OPTIONS)
+        if unknown:
+            raise ConfigError(f"unknown task option(s) {', '.join(unknown)} for a data file or hub task; its options "
+                              f"are {', '.join(sorted(FILE_TASK_OPTIONS))}")
         return FileTask(spec, **options, rewards=scoring)
     if is_import_path(spec):
         return with_rewards(_plugin_task(spec, options), rewards, reward_weights, reward_timeout_s)

@@ -389,3 +389,25 @@ def test_the_embedded_model_on_gsm8k_is_warned_about_at_start(tmp_path, capsys):
                  "subspaces": 1, "output_dir": str(tmp_path)})
     warnings = [line for line in capsys.readouterr().err.splitlines() if "UNK/EOS" in line]
     assert len(warnings) == 1 and "of gsm8k's prompt tokens" in warnings[0]
+
+
+def test_a_file_tasks_mistakes_are_one_line_that_says_the_fix(tmp_path):
+    """A task-option typo names the valid options (it leaked `FileTask.__init__() got an unexpected keyword
+    argument`); an answer column no row has is refused at start (it ran, every row scoring 0); a task without
+    held-out rows says how to give them or to train without (it said only that there were none)."""
+    from copes.run.components import eval_examples
+    from copes.run.config import build_config
+    from copes.tasks.plugins import build_task
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{n}+1=", "result": str(n + 1)}) + "\n" for n in range(5)))
+    with pytest.raises(ConfigError, match=r"^unknown task option\(s\) prompt_feild for a data file or hub task; its "
+                                          r"options are answer_field, chat, eval_file, eval_split, prompt_field"):
+        build_task(str(data), {"prompt_feild": "question"})
+    with pytest.raises(ConfigError, match=r"no row has the answer column 'answer' \(task option answer_field=\); "
+                                          r"its columns are \['question', 'result'\]"):
+        build_task(str(data), {"prompt_field": "question"})
+    task = build_task(str(data), {"prompt_field": "question", "answer_field": "result", "chat": False})
+    with pytest.raises(ConfigError, match="no held-out split to evaluate on: give held-out rows .*eval_file=FILE.*"
+                                          "or --eval-size 0"):
+        eval_examples(task, build_config({"task": str(data), "eval_size": 4}), warn=False)
