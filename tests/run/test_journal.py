@@ -465,3 +465,21 @@ def test_a_run_on_relative_data_files_resumes_from_any_directory(tmp_path: Path)
     assert config["task"] == str(project / "data" / "sums.jsonl")
     assert config["task_options"]["eval_file"] == str(project / "data" / "held_out.jsonl")
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_model_fingerprint_reads_each_tensor_in_place() -> None:
+    """Hashing the base weights copies none of them: a copy of each tensor's bytes was a 1.2 GiB transient for
+    Qwen3.5-4B's embedding, the 4B dress rehearsal's peak over its memory plan (docs/dress-rehearsal.md)."""
+    import tracemalloc
+
+    from copes.run.journal import model_fingerprint
+
+    model = torch.nn.Embedding(8192, 2048, dtype=torch.bfloat16)  # 32 MiB
+    tracemalloc.start()
+    try:
+        fingerprint = model_fingerprint(model)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak / 2**20:.1f} MiB allocated while hashing a 32 MiB tensor"
+    assert fingerprint == model_fingerprint(model)
