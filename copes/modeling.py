@@ -101,8 +101,14 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     lm.eval().requires_grad_(False)
     warn_missing_gpu_kernels(lm.config.model_type, resolved_device.type)
-    widen_cpu_depthwise_conv(lm)
+    prepare_for_cpu(lm)
     return lm, tokenizer, resolved_device
+
+
+def prepare_for_cpu(lm: torch.nn.Module) -> None:
+    """torch's CPU kernels, steered around two slow or memory-hungry paths in a bf16 model; the same bits."""
+    widen_cpu_depthwise_conv(lm)
+    fold_cpu_output_layer(lm)
 
 
 def _conv1d_widening_depthwise(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
@@ -131,6 +137,22 @@ def widen_cpu_depthwise_conv(lm: torch.nn.Module) -> None:
         widened.__dict__.update(vars(F))
         widened.conv1d = _conv1d_widening_depthwise
         modeling.F = widened
+
+
+def _linear_on_rows(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """Linear.forward with the input's leading dimensions folded into rows: torch's CPU matmul takes a 3-D input
+    through a batched GEMM that copies the weight first, a 1.2 GiB transient for Qwen3.5-4B's output layer at every
+    prefill (docs/dress-rehearsal.md); the 2-D GEMM reads it in place and gives the same bits."""
+    rows = F.linear(input.reshape(-1, input.shape[-1]), self.weight, self.bias)
+    return rows.reshape(*input.shape[:-1], rows.shape[-1])
+
+
+def fold_cpu_output_layer(lm: torch.nn.Module) -> None:
+    """The output layer of `lm`, on a CPU, computes on rows (`_linear_on_rows`); once."""
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if (isinstance(head, torch.nn.Linear) and head.weight.device.type == "cpu"
+            and getattr(head.forward, "__func__", None) is torch.nn.Linear.forward):
+        head.forward = types.MethodType(_linear_on_rows, head)
 
 
 def read_preset(model: str, algorithm: str | None = None) -> Path | None:

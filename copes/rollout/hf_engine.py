@@ -40,7 +40,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
-from copes.modeling import widen_cpu_depthwise_conv
+from copes.modeling import prepare_for_cpu
 from copes.rollout.generate import (
     Generation,
     eos_token_ids,
@@ -220,7 +220,7 @@ class HFEngine:
         # rows' caches for; on a small model per-row prefill is mostly per-call overhead).
         self.model, self.prefill_chunk_tokens, self.row_caches = model, prefill_chunk_tokens, row_caches
         if isinstance(model, torch.nn.Module):
-            widen_cpu_depthwise_conv(model)  # a model built by the caller, not by load_model
+            prepare_for_cpu(model)  # a model built by the caller, not by load_model
         self._states: dict[int, tuple[list[int], DynamicCache]] = {}
         # transformers 5.x renamed forward's past_key_values to cache (the old name warns, later it goes).
         forward = getattr(model, "forward", None)

@@ -404,6 +404,26 @@ def test_a_bf16_qwen35_on_cpu_decodes_the_same_logits_with_the_widened_conv(toke
     assert all(torch.equal(a, b) for a, b in zip(expected, widened, strict=True))
 
 
+def test_the_cpu_output_layer_computes_on_rows_with_the_same_bits(tokenizer):
+    """copes.modeling.fold_cpu_output_layer: the output layer multiplies a 2-D view of its input (at Qwen3.5-4B
+    torch's CPU matmul took a prefill's last position through a batched oneDNN GEMM that copied the 1.2 GiB weight:
+    +1.25 GiB high-water per prefill before, +0.09 GiB after, measured in docs/dress-rehearsal.md; that path needs
+    the full size, so this test checks the bits), once, and a bf16 Qwen3.5's generate keeps every bit of its logits."""
+    from copes.modeling import fold_cpu_output_layer
+
+    model = tiny_qwen35(tokenizer).to(torch.bfloat16)
+    ids = torch.tensor([tokenizer("12+7=").input_ids])
+
+    def logits() -> list[torch.Tensor]:
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        return list(out.logits)
+
+    before = logits()
+    fold_cpu_output_layer(model)
+    assert model.lm_head.forward.__func__ is not torch.nn.Linear.forward
+    assert all(torch.equal(a, b) for a, b in zip(before, logits(), strict=True))
+
+
 @pytest.fixture(scope="module", params=["qwen3", "qwen35"])
 def lm(request, model, tokenizer):
     """The tiny Qwen3 (attention KV) and the tiny Qwen3.5 (recurrent state + attention)."""
