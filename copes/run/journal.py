@@ -22,6 +22,7 @@ import importlib.metadata
 import json
 import os
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from copes.es.strategies.base import Strategy
 from copes.failpoints import failpoint
 from copes.run.config import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, absolute_paths, build_config
 from copes.tasks.plugins import changed_source, user_sources
+from copes.user_code import sha256_of
 
 JOURNAL_NAME = "journal"
 FORMAT_VERSION = 1
@@ -70,8 +72,9 @@ def copes_version() -> str:
 
 
 def build_header(cfg: TrainConfig, model: torch.nn.Module, strategy: Strategy, model_path: str, *,
-                 run_id: str) -> dict[str, Any]:
-    """The journal's first record; `model` must still hold the base weights."""
+                 run_id: str, data_files: Sequence[Path] = ()) -> dict[str, Any]:
+    """The journal's first record; `model` must still hold the base weights; `data_files` the local data files
+    copes' own task read (`copes.tasks.loading.recording_data_files`)."""
     import transformers
 
     return {
@@ -79,6 +82,7 @@ def build_header(cfg: TrainConfig, model: torch.nn.Module, strategy: Strategy, m
         "versions": {"copes": copes_version(), "torch": torch.__version__, "transformers": transformers.__version__},
         "config": cfg.to_dict(),
         "user_sources": user_sources(cfg.task, cfg.task_options, cfg.reward),
+        "data_files": {str(path): sha256_of(path) for path in data_files},  # copes' own tasks' local data
         "model": {"name": cfg.model, "path": model_path, "fingerprint": model_fingerprint(model)},
         **strategy_identity(strategy),
     }
@@ -95,6 +99,17 @@ def check_same_run(run_dir: str | Path, header: dict[str, Any], cfg: TrainConfig
     changed = changed_source(header.get("user_sources", {}), user_sources(cfg.task, cfg.task_options, cfg.reward))
     if changed:
         raise ConfigError(f"--resume {run_dir} refused: {changed}; the journaled rewards came from the old one")
+
+
+def check_same_data(run_dir: str | Path, header: dict[str, Any]) -> None:
+    """Refuse a resume once a local data file of copes' own task, read by now, is gone or changed (hashed at start;
+    a user's data file is among the user_sources, checked before anything loads)."""
+    for path, digest in header.get("data_files", {}).items():
+        if not Path(path).is_file():
+            raise ConfigError(f"--resume {run_dir} refused: the data file {path} cannot be found any more")
+        if sha256_of(Path(path)) != digest:
+            raise ConfigError(f"--resume {run_dir} refused: the data file {path} changed since the run started "
+                              f"(sha256 {digest[:12]} there, {sha256_of(Path(path))[:12]} here)")
 
 
 def check_same_model(run_dir: str | Path, header: dict[str, Any], model: torch.nn.Module, strategy: Strategy) -> None:

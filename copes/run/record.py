@@ -98,14 +98,14 @@ class RunRecord:
         check_writable(self.out)
 
     def start_journal(self, model: torch.nn.Module, strategy: Strategy, model_path: str,
-                      share: Callable[[str], str] = lambda value: value) -> None:
-        """A fresh journal for a new run; `share` hands rank 0's run id to every rank."""
+                      share: Callable[[str], str] = lambda value: value, data_files: Sequence[Path] = ()) -> None:
+        """A fresh journal for a new run; `share` hands rank 0's run id to every rank; `data_files` are hashed."""
         run_id = share(uuid.uuid4().hex)
         writer = None
         if self.writer:
             if journal_path(self.out).exists() and not self.cfg.overwrite:  # a caller that skipped claim_output_dir
                 raise occupied_error(self.out)
-            header = build_header(self.cfg, model, strategy, model_path, run_id=run_id)
+            header = build_header(self.cfg, model, strategy, model_path, run_id=run_id, data_files=data_files)
             writer = JournalWriter.create(journal_path(self.out), header)
         self.journal = RunJournal(run_id, writer)
 

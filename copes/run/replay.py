@@ -24,7 +24,15 @@ from copes.es.strategies.base import Strategy
 from copes.rollout.vllm.views import stored_tensors
 from copes.run import checkpoint as ckpt
 from copes.run.config import ConfigError, TrainConfig
-from copes.run.journal import JournalContents, JournalWriter, RunJournal, check_same_model, check_same_run, read_journal
+from copes.run.journal import (
+    JournalContents,
+    JournalWriter,
+    RunJournal,
+    check_same_data,
+    check_same_model,
+    check_same_run,
+    read_journal,
+)
 
 
 def replays_members(cfg: TrainConfig) -> bool:
@@ -104,6 +112,7 @@ def resume_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, st
     contents = read_journal(run_dir)
     check_same_run(run_dir, contents.header, cfg)
     check_same_model(run_dir, contents.header, model, strategy)
+    check_same_data(run_dir, contents.header)
     checkpoint = newest_checkpoint(run_dir, contents.header["run_id"], contents.steps_done)
     if checkpoint is not None:
         load_checkpoint_into(checkpoint, model, strategy)

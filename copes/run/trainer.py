@@ -54,6 +54,7 @@ from copes.run.record import RunRecord, claim_output_dir
 from copes.run.replay import replay_member, replays_members
 from copes.run.scoring import MemberScoring, roll_out, rollouts
 from copes.tasks import Example
+from copes.tasks.loading import recording_data_files
 
 
 def reward_set_of(task: Any) -> RewardSet | None:
@@ -77,10 +78,12 @@ class Trainer:
             import_wandb()  # a missing package is said before anything loads
         self.record = RunRecord(cfg, writer=self.is_main)
         self.task = task_from_config(cfg, self.given)
-        self.train_set = self.task.examples("train")
-        if not self.train_set:
-            raise ConfigError(f"task {cfg.task} has no training examples")
-        self.eval_set = eval_examples(self.task, cfg, warn=self.is_main)
+        with recording_data_files() as data_files:  # copes' own task's local files, hashed into the journal
+            self.train_set = self.task.examples("train")
+            if not self.train_set:
+                raise ConfigError(f"task {cfg.task} has no training examples")
+            self.eval_set = eval_examples(self.task, cfg, warn=self.is_main)
+        self.data_files = list(data_files)
         # Under torchrun / --workers each rank builds its own engine on its own device (vLLM's external-launcher mode:
         # copes.rollout.vllm.engine), all ranks at once, as vLLM's engine start is collective over the world.
         device = str(self.dist.device) if self.dist else cfg.device
@@ -109,7 +112,8 @@ class Trainer:
         """One ES step (steps count from 0 here, from 1 in the journal). This rank scores its share of the members
         (all of them in one process), the rewards are gathered, and every rank applies the same update."""
         if self.record.journal is None:  # a caller driving steps itself (bench/step_overhead.py) journals them too
-            self.record.start_journal(self.model, self.strategy, resolve_model_path(self.cfg.model), self.share)
+            self.record.start_journal(self.model, self.strategy, resolve_model_path(self.cfg.model), self.share,
+                                      data_files=self.data_files)
         if (rewards := reward_set_of(self.task)) is not None:
             rewards.new_step()  # this step's per-reward statistics; abandoned (hung) rewards are called again
         mine = members_for_rank(self.cfg.population, *((self.dist.rank, self.dist.world_size) if self.dist else (0, 1)))
@@ -272,7 +276,8 @@ class Trainer:
         started, self.budget = time.perf_counter(), Budget(cfg.budget_hours)
         self.peaks_at_start = peak_memory_bytes(self.device)  # loading's high-water mark (~0.5 GiB on CPU)
         if record.journal is None:
-            record.start_journal(self.model, self.strategy, resolve_model_path(cfg.model), self.share)
+            record.start_journal(self.model, self.strategy, resolve_model_path(cfg.model), self.share,
+                                 data_files=self.data_files)
         record.open_logs(self.start_step, (self.eval_set or self.train_set)[: cfg.sample_prompts])
         if self.is_main:
             tqdm.write(self.plan.summary(), file=sys.stderr)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,22 @@ from copes.tasks.base import Example
 
 DATA_DIR_ENV = "COPES_DATA_DIR"
 LOCAL_FORMATS = (".jsonl", ".json", ".parquet")
+
+
+# The open `recording_data_files` blocks: each collects the local data files read inside it.
+_RECORDERS: list[dict[Path, None]] = []
+
+
+@contextmanager
+def recording_data_files() -> Iterator[dict[Path, None]]:
+    """The local data files `load_split_rows` reads inside the block, in the order first read (a trainer hashes its
+    task's into the journal: a changed file refuses a resume, as a user's data file does)."""
+    found: dict[Path, None] = {}
+    _RECORDERS.append(found)
+    try:
+        yield found
+    finally:
+        _RECORDERS.remove(found)
 
 
 class DatasetError(UserError):
@@ -136,6 +153,8 @@ def load_split_rows(
     if data_dir is not None:
         for relative in local_files:
             if (data_dir / relative).is_file():
+                for found in _RECORDERS:
+                    found[(data_dir / relative).resolve()] = None
                 return read_rows(data_dir / relative, required)
     missing = (f"no local file among {list(local_files)} under data dir {data_dir}; pass --data-dir (data_dir=) or "
                f"set ${DATA_DIR_ENV} to a folder holding {local_files[0]}")

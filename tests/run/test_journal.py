@@ -32,6 +32,7 @@ from copes.run.journal import (
     resume_config,
 )
 from copes.run.replay import replay_run, replay_steps
+from copes.user_code import sha256_of
 
 from helpers.cli_runs import (
     FAST_FLAGS,
@@ -42,7 +43,7 @@ from helpers.cli_runs import (
     final_weights,
     metrics_without_time,
 )
-from helpers.paths import REPO
+from helpers.paths import FIXTURES, REPO
 
 pytestmark = pytest.mark.integration  # nearly every test here reads a copes-run process's journal
 # In-line scoring: the ledger's "at most the member in flight recomputed" is exact only then (overlapped scoring,
@@ -483,3 +484,22 @@ def test_the_model_fingerprint_reads_each_tensor_in_place() -> None:
         tracemalloc.stop()
     assert peak < 4 << 20, f"{peak / 2**20:.1f} MiB allocated while hashing a 32 MiB tensor"
     assert fingerprint == model_fingerprint(model)
+
+
+@pytest.mark.integration
+def test_a_changed_data_file_of_a_builtin_task_refuses_the_resume(tmp_path: Path) -> None:
+    """copes' own tasks' local data files are hashed in the journal as a user's data file is: a resume after the
+    GSM8K train file changed is refused in one line naming it (it resumed on other data without a word)."""
+    data = tmp_path / "data"
+    shutil.copytree(FIXTURES / "data", data)
+    run, env = tmp_path / "run", {"COPES_DATA_DIR": str(data)}
+    gsm8k = ["--task", "gsm8k", "--no-tools", "--eval-size", "0", "--output-dir", str(run)]
+    first = copes_run(*gsm8k, "--steps", "1", env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    train_file = data / "math" / "gsm8k_train.jsonl"
+    assert read_journal(run).header["data_files"] == {str(train_file): sha256_of(train_file)}
+    with train_file.open("a") as handle:
+        handle.write(json.dumps({"question": "What is 1+1?", "answer": "#### 2"}) + "\n")
+    resumed = copes_run("--resume", str(run), "--steps", "2", env=env)
+    assert resumed.returncode == 2, resumed.stderr[-2000:]
+    assert f"refused: the data file {train_file} changed since the run started" in resumed.stderr
