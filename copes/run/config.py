@@ -289,6 +289,7 @@ def absolute_paths(layer: dict[str, Any]) -> dict[str, Any]:
     """`layer` with the local files and folders it names relative to the working directory made absolute (a data
     file task, `hf:` folder, eval_file, data_dir, search corpus, model folder): the journal then holds paths a
     `--resume` from any other directory finds."""
+    from copes.tasks import task_names
     from copes.tasks.file_task import HUB_PREFIX, is_dataset_file
 
     def resolved(path: Any) -> Any:
@@ -302,7 +303,7 @@ def absolute_paths(layer: dict[str, Any]) -> dict[str, Any]:
     if isinstance(task, str) and task.startswith(HUB_PREFIX):
         folder, _, config = task[len(HUB_PREFIX):].partition(":")
         out["task"] = HUB_PREFIX + resolved(folder) + (f":{config}" if config else "")
-    elif isinstance(task, str) and is_dataset_file(task):
+    elif isinstance(task, str) and task not in task_names() and is_dataset_file(task):
         out["task"] = resolved(task)
     options = out.get("task_options")
     if isinstance(options, dict) and "eval_file" in options:
