@@ -34,12 +34,12 @@ from copes.tools.sandbox import remove_tree
 
 from helpers.datadir import DATA_DIR
 from helpers.paths import REPO
+from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, package_for_any_user
 from helpers.timing import reading_seconds, seconds
 from helpers.tiny_models import ScriptedPolicy, build_tiny_tokenizer, tiny_qwen3
 
 DATA = DATA_DIR
 UNSHARE = shutil.which("unshare")
-SETPRIV = shutil.which("setpriv")
 needs_unshare = pytest.mark.skipif(UNSHARE is None, reason="the unshare tool (util-linux) is not installed")
 
 
@@ -337,15 +337,12 @@ def test_rootless_container_code_is_not_root_and_cannot_remount(tmp_path: Path) 
     assert report["isolation"]["user"].startswith("yes: uid 1000 of its own user namespace")
 
 
-@pytest.mark.skipif(SETPRIV is None, reason="setpriv (util-linux) is not installed")
+@pytest.mark.skipif(SETPRIV is None or SYSTEM_PYTHON is None, reason="needs setpriv and a system Python")
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to a non-root user needs root")
 def test_a_non_root_caller_keeps_its_secrets(tmp_path: Path) -> None:
-    as_user = [SETPRIV, "--reuid", "4242", "--regid", "4242", "--clear-groups", sys.executable]
-    # The sandbox starts the interpreter by path, so the user must be able to stat it, not only to exec it.
-    usable = "import os, sys, copes.tools; sys.exit(not os.access(sys.executable, os.X_OK))"
-    if subprocess.run([*as_user, "-c", usable], capture_output=True).returncode:
-        pytest.skip(f"a non-root user cannot run {sys.executable} with copes here (the interpreter or the "
-                    "checkout is not readable by other users)")
+    # A system interpreter and a world-readable copy of the package: the checkout may sit under a 0700 home.
+    as_user = [SETPRIV, "--reuid", "4242", "--regid", "4242", "--clear-groups", SYSTEM_PYTHON]
+    environment = dict(os.environ, PYTHONPATH=package_for_any_user())
     home = tmp_path / "home"
     home.mkdir()
     (home / "token").write_text("hf_secret")
@@ -357,8 +354,8 @@ def test_a_non_root_caller_keeps_its_secrets(tmp_path: Path) -> None:
         f"try:\n    print(PythonSandbox().run({_probe([str(home / 'token')])!r}).stdout, end='')\n"
         "except SandboxUnavailable as error:\n    print('UNAVAILABLE', error)\n"
     )
-    completed = subprocess.run([*as_user, "-c", script], capture_output=True, text=True, timeout=120)
-    assert completed.stdout.strip() == str(errno.ENOENT) or completed.stdout.startswith("UNAVAILABLE")
+    completed = subprocess.run([*as_user, "-c", script], capture_output=True, text=True, timeout=120, env=environment)
+    assert completed.stdout.strip() == str(errno.ENOENT) or completed.stdout.startswith("UNAVAILABLE"), completed
 
 
 @needs_unshare
