@@ -9,8 +9,10 @@ member (by mean training reward) are appended to `samples.jsonl`, one line per t
 
 The extra rollouts are greedy, like every rollout, and run inside the member's own evaluation, so they change no
 reward, no update and no weight; their seconds count as rollout time at a sampling step. A member whose rewards
-came from the journal after a resume was not rolled out again and has no transcript: the best and worst are then
-chosen among the members that have one (under torchrun, among rank 0's members).
+came from the journal after a resume was not rolled out again: when it is the step's best or worst, its sample
+questions are rolled out under its perturbation before the step's samples are written, so a resumed step writes
+what the uninterrupted one did (in one process, with an exact restore; otherwise, and under torchrun, the best and
+worst are chosen among the members that have a transcript).
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ class RolloutSamples:
         for member, rows in zip(members, per_member, strict=True):
             self._transcripts[member] = [transcript_record(e, t, s)
                                          for e, (t, s) in zip(self.examples, rows, strict=True)]
+
+    def without_transcript(self, rewards: Sequence[torch.Tensor]) -> list[int]:
+        """The step's best and worst members by every member's `rewards` that have no transcript here (scored
+        before a resume): roll their sample questions out (`add`) before `write`."""
+        means = {member: _finite_or_lowest(float(values.double().mean())) for member, values in enumerate(rewards)}
+        extremes = {max(means, key=means.__getitem__), min(means, key=means.__getitem__)}
+        return sorted(member for member in extremes if member not in self._transcripts)
 
     def write(self, step: int, rewards: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
         """Append the best and worst collected member's transcripts for `step`, given every member's rewards;

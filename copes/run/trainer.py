@@ -123,6 +123,7 @@ class Trainer:
                     else [rewards[m] for m in mine])
         self.record.journal.record_members(step + 1, dict(enumerate(gathered)))  # rank 0: the other ranks' members
         if sampling:
+            self.sample_members_scored_before_a_resume(gathered)
             self.record.write_samples(step + 1, gathered)
         return self.strategy.apply_update(torch.stack(gathered))
 
@@ -202,6 +203,16 @@ class Trainer:
                               timer=self.timer, members=members, row_members=row_members)
         rewards = [[score.reward for _, score in rows] for rows in per_member]
         return rewards[0] if members is None else rewards
+
+    def sample_members_scored_before_a_resume(self, rewards: list[torch.Tensor]) -> None:
+        """The sample transcripts of the step's best and worst members where their rewards came from the journal:
+        each is perturbed again only to answer the sample questions (one process, per-member algorithms, an exact
+        restore: the weights come back bit for bit)."""
+        if self.dist is not None or self.strategy.evaluation == WHOLE_POPULATION or replays_members(self.cfg):
+            return
+        for member in self.record.samples.without_transcript(rewards):
+            self.strategy.evaluate_member(member, lambda model, member=member: self.sample_rollouts(model, [member])
+                                          or [0.0])
 
     def sample_rollouts(self, model: Any, members: list[int], row_members: Any = None) -> None:
         """The sample questions' transcripts for `members` (under their perturbation, or routed rows)."""

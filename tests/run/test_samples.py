@@ -5,6 +5,7 @@ resume point; --wandb logs metrics and the samples table offline."""
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,19 @@ def test_wandb_without_the_package_is_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: W&B logging needs the wandb package: pip install 'copes[wandb]'"]
+
+
+def test_a_step_resumed_midway_samples_its_best_and_worst_among_all_members(tmp_path):
+    """Killed while step 2's last member is perturbed, the resumed run rolls the sample questions out for the best
+    and worst members whose rewards came from the journal, and writes the samples the uninterrupted run wrote (it
+    chose among the re-run members only)."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    common = ("--steps", "2", "--sample-every", "1", "--sample-prompts", str(SAMPLE_PROMPTS))
+    assert (result := copes_run(*common, "--output-dir", str(whole))).returncode == 0, result.stderr
+    killed = copes_run(*common, "--output-dir", str(parts), env={"COPES_FAILPOINT": "member@8"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = copes_run(*common, "--output-dir", str(parts), "--resume", str(parts))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert len({r["member"] for r in _records(whole) if r["step"] == 2}) == 2  # a best and a worst to find
+    assert _records(parts) == _records(whole)
+    assert_same_weights(final_weights(parts), final_weights(whole))
