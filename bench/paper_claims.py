@@ -361,8 +361,9 @@ MEMORY_EXPLAINED = [
     "reduced Qwen3.5 in bf16: the torch delta rule keeps fp32 copies of q, k, v and the intra-chunk matrices); with "
     "checkpointing, each layer's input plus one layer's activations. On top: the completion's logits and the "
     "gradients (constant in context, so they dominate the short points).",
-    "- **So the ratio should grow with context**, the paper's direction: that follows from the per-token terms "
-    "(the plan's lines, checked at the contexts in the table); contexts not in the table were not measured here. "
+    "- **So the ratio grows with context**, the paper's direction, and fastest on the hybrid, whose ES member adds "
+    "KV in one layer of four: read it in the ratio table at each measured context (the per-token terms are the "
+    "plan's lines, checked at those contexts; contexts not in the table were not measured here). "
     "The 1.4x at 16K the earlier benchmark "
     "reported (docs/benchmarks-history.md) came from measuring the ES side with plain `model.generate` on a "
     "full-attention Qwen3: its unchunked prefill holds one layer's transients over all 16K positions and computes "
