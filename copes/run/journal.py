@@ -107,9 +107,9 @@ def check_same_data(run_dir: str | Path, header: dict[str, Any]) -> None:
     for path, digest in header.get("data_files", {}).items():
         if not Path(path).is_file():
             raise ConfigError(f"--resume {run_dir} refused: the data file {path} cannot be found any more")
-        if sha256_of(Path(path)) != digest:
+        if (now := sha256_of(Path(path))) != digest:
             raise ConfigError(f"--resume {run_dir} refused: the data file {path} changed since the run started "
-                              f"(sha256 {digest[:12]} there, {sha256_of(Path(path))[:12]} here)")
+                              f"(sha256 {digest[:12]} there, {now[:12]} here)")
 
 
 def check_same_model(run_dir: str | Path, header: dict[str, Any], model: torch.nn.Module, strategy: Strategy) -> None:

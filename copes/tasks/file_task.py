@@ -36,6 +36,11 @@ def is_dataset_file(spec: str) -> bool:
     return spec.endswith(LOCAL_FORMATS) or Path(spec).is_file()
 
 
+def is_data_task(spec: str) -> bool:
+    """Whether `spec` names a FileTask: a data file or a hub (or saved) dataset, not one of copes' own tasks."""
+    return spec.startswith(HUB_PREFIX) or is_dataset_file(spec)
+
+
 def parse_hub_spec(spec: str) -> tuple[str, str | None]:
     """`hf:OWNER/NAME[:CONFIG]` (or `hf:LOCAL_DIR[:CONFIG]`) -> (name or folder, config)."""
     body = spec[len(HUB_PREFIX):]

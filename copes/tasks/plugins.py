@@ -28,7 +28,15 @@ from copes.rewards.functions import (
     resolve_reward,
 )
 from copes.tasks.base import Example, Task, get_task, task_names
-from copes.tasks.file_task import FILE_TASK_OPTIONS, HUB_PREFIX, FileTask, RewardScored, is_dataset_file, parse_hub_spec
+from copes.tasks.file_task import (
+    FILE_TASK_OPTIONS,
+    HUB_PREFIX,
+    FileTask,
+    RewardScored,
+    is_data_task,
+    is_dataset_file,
+    parse_hub_spec,
+)
 from copes.user_code import import_object, is_import_path, module_source, sha256_of
 
 RewardSpec = str | Callable[..., Any]
@@ -81,7 +89,7 @@ def build_task(spec: str, options: dict[str, Any], *, rewards: Sequence[RewardSp
     if spec in task_names():
         return with_rewards(get_task(spec, **options, **({"data_dir": data_dir} if data_dir else {})), rewards,
                             reward_weights, reward_timeout_s)
-    if spec.startswith(HUB_PREFIX) or is_dataset_file(spec):
+    if is_data_task(spec):
         answer_field = options.get("answer_field", "answer")
         scoring = reward_set(rewards, reward_weights, answer_field, reward_timeout_s) if rewards else None
         unknown = sorted(set(options) - FILE_TASK_OPTIONS)
