@@ -77,6 +77,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
+def views_on_their_own_storage(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every tensor that is a view into a larger storage (the vLLM engine's HF-named
+    views of its fused and padded weights) re-wrapped over a storage of its own through DLPack: the same memory, no
+    copy. `save_pretrained` clones each tensor that shares a storage with another, which at Qwen3.5-4B on vLLM
+    was a 4.7 GiB transient (gate_up, qkv and qkvz views); tied weights still share one region and stay tied."""
+    return {name: torch.from_dlpack(tensor) if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
+            for name, tensor in model.state_dict().items()}
+
+
 def save_checkpoint(
     root: Path, step: int, *, model: Any, tokenizer: Any, es_state: dict[str, Any], trainer_state: dict[str, Any]
 ) -> Path:
@@ -86,7 +95,8 @@ def save_checkpoint(
     final, staging = root / name, root / f".{name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    model.save_pretrained(staging, safe_serialization=True)
+    state_dict = views_on_their_own_storage(model) if isinstance(model, torch.nn.Module) else None
+    model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(staging)
     skeleton, tensors = flatten_state(es_state)
     save_file(tensors, str(staging / "es_state.safetensors"))

@@ -4,9 +4,12 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from copes.errors import UserError
 from copes.run import checkpoint as ckpt
+from tests.helpers.live_bytes import LiveBytes
+from tests.helpers.tiny_models import tiny_qwen3
 
 
 class _Saveable:
@@ -63,3 +66,31 @@ def test_corruption_and_non_checkpoints_are_clear_errors(tmp_path):
         ckpt.load_checkpoint(folder)
     with pytest.raises(UserError, match="is not a checkpoint"):
         ckpt.find_checkpoint(tmp_path / "nothing-here")
+
+
+def test_views_of_one_storage_are_saved_without_a_copy(tmp_path):
+    """The vLLM engine's HF model holds views into fused weights (gate and up in one gate_up storage, the embedding
+    a view of a padded one); `save_pretrained` would clone each (4.7 GiB at 4B). The checkpoint writes them in place
+    and loads back equal, the tied output layer still tied."""
+    model = tiny_qwen3(tie_word_embeddings=True, intermediate_size=1024)
+    expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mlp = layer.mlp
+            fused = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            rows = mlp.gate_proj.weight.shape[0]
+            mlp.gate_proj.weight = torch.nn.Parameter(fused[:rows], requires_grad=False)
+            mlp.up_proj.weight = torch.nn.Parameter(fused[rows:], requires_grad=False)
+        embedding = model.get_input_embeddings().weight
+        padded = torch.cat([embedding, torch.zeros(3, embedding.shape[1])])
+        model.get_input_embeddings().weight = torch.nn.Parameter(padded[: embedding.shape[0]], requires_grad=False)
+        model.tie_weights()
+    with LiveBytes(model.state_dict().values()) as live:
+        folder = ckpt.save_checkpoint(tmp_path, 1, model=model, tokenizer=_Saveable("tokenizer"), es_state={},
+                                      trainer_state={"step": 1})
+    one_view = model.model.layers[0].mlp.gate_proj.weight.nbytes
+    assert live.peak < one_view, f"saving allocated {live.peak} bytes (one view is {one_view})"
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert loaded.lm_head.weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()
