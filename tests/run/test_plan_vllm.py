@@ -43,3 +43,18 @@ def test_vllm_kv_pool_on_cuda_is_what_the_card_leaves() -> None:
 def test_a_card_too_small_for_vllm_is_one_line() -> None:
     plan = plan_for(build_config({**HEADLINE, "device_memory_gib": 8}))
     assert not plan.fits and plan.advice.startswith("vLLM needs") and "larger device" in plan.advice
+
+
+def test_vllm_on_cpu_plans_its_load_with_the_checkpoint_mapped() -> None:
+    """Guards the dress rehearsal's copes-vllm row at 1.45 of its plan: vLLM reads the checkpoint through one mapping,
+    so while it loads, RSS holds the file's pages beside vLLM's copy (a 4B bf16 checkpoint: 7.8 GiB twice). On a CPU
+    that load is the peak; on CUDA the mapped pages are host memory and the plan has no load line."""
+    plan = plan_for(build_config({**HEADLINE, "device": "cpu", "device_memory_gib": 24, "prompt_batch": 1,
+                                  "vllm_kv_cache_gib": 1.0, "vllm_cpu_weights": "plain"}))
+    fixed = {line.what: line.bytes for line in plan.fixed}
+    (mapped,) = plan.load
+    assert plan.shape.stored_dtype == "bfloat16" and mapped.bytes == fixed["weights"]
+    assert plan.load_bytes == fixed["weights"] + fixed["host process"] + mapped.bytes
+    assert plan.peak_bytes() == plan.load_bytes > plan.fixed_bytes + plan.rollout_bytes(plan.rows)
+    assert "checkpoint pages mapped" in plan.table() and "max(load" in plan.table()
+    assert plan_for(build_config(HEADLINE)).load == []
