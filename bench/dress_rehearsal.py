@@ -37,7 +37,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from common.rehearsal_model import build_rehearsal_model  # noqa: E402
+from common.rehearsal_model import REDUCED_TEXT, build_rehearsal_model  # noqa: E402
 
 GiB = 2**30
 # A machine shared with other big jobs: COPES_BENCH_LOCK names a lock file that every model-holding process takes.
@@ -54,9 +54,6 @@ RUNS = {
                      "vllm_kv_cache_gib": 1.0},
 }
 PHASES = ("members", "copes-hf", "eggroll-hf", "kill-resume", "replay", "copes-vllm", "eggroll-vllm")
-REDUCED_TEXT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, vocab_size=4096,
-                    num_attention_heads=2, num_key_value_heads=1, head_dim=128, linear_num_key_heads=1,
-                    linear_num_value_heads=2, layer_types=["linear_attention"] * 3 + ["full_attention"])
 
 
 def flags_of(settings: dict[str, Any]) -> list[str]:

@@ -9,10 +9,13 @@
 #   kernels     kernels_tests without the CPU-backend and lowering suites; versions and SASS counts, printed
 #   shapes      a random-init Qwen3.5-4B-shaped bf16 model: bitwise perturb/restore per restore mode,
 #               multi- vs per-tensor equality, member and update times, peak memory, the checksum's peak
+#   rollout     copes.train's HF engine on a tool rollout at Qwen3.5-4B's shape, the card capped at 24 GiB: the
+#               measured peak beside the memory plan's (plan_json) for the same run, and the delta-net path that ran
 #   generation  HF generate, 64 ragged left-padded rows at L = 1K/2K/4K, 2 turns: peak memory and tokens/s
 #   trainer     copes.train on the device: 2 steps twice (same weights?) and a resume (bitwise?)
 #   vllm        with vLLM installed (carried wheels), whatever budget is left: bitwise perturb -> generate ->
-#               restore -> generate inside the engine, decode tokens/s with CUDA graphs on and off
+#               restore -> generate inside the engine, decode tokens/s with CUDA graphs on and off, and the LoRA
+#               canaries (EGGROLL's adapters on a reduced Qwen3.5: finite, and not the base's logits, at 512 tokens)
 #   bundle      every log and result into ONE tarball, $OUT/gpu_check.tar.gz (the only file written to $OUT)
 # stdout: one summary line per phase. Exit status: non-zero if any phase failed or timed out.
 set -uo pipefail
@@ -76,9 +79,10 @@ if [ ${#DRY_RUN[@]} -eq 0 ] && ! "$PYTHON" -c "import sys, torch; sys.exit(not t
     status=1
     bundle
 fi
-phase kernels 170
-phase shapes 90
-phase generation 110
-phase trainer 80
+phase kernels 130
+phase rollout 130
+phase shapes 60
+phase generation 50
+phase trainer 40
 phase vllm 60
 bundle

@@ -36,6 +36,11 @@ DONE_MARK = "rehearsal-model.json"
 STOP_TOKEN = "</tool_call>"
 # Random logits are ~N(0, 1) over ~600 ids (their max ~3); a row scaled 4x wins a step about one time in five.
 STOP_ROW_SCALE = 4.0
+# The reduced width of the slow-lane test and the GPU check's CPU dry run: the same layer kinds (three gated delta-net
+# layers, then full attention), every width small.
+REDUCED_TEXT = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, vocab_size=4096,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=128, linear_num_key_heads=1,
+                    linear_num_value_heads=2, layer_types=["linear_attention"] * 3 + ["full_attention"])
 
 
 def rehearsal_config(*, text_overrides: dict | None = None) -> Qwen3_5Config:
@@ -50,8 +55,10 @@ def rehearsal_config(*, text_overrides: dict | None = None) -> Qwen3_5Config:
     return Qwen3_5Config(text_config=text, vision_config=vision, **top)
 
 
-def build_rehearsal_model(out: Path, *, seed: int = 0, text_overrides: dict | None = None) -> Path:
-    """Builds and saves the random model to `out` (weights + config); returns `out`. Reuses a finished folder."""
+def build_rehearsal_model(out: Path, *, seed: int = 0, text_overrides: dict | None = None,
+                          device: str = "cpu") -> Path:
+    """Builds and saves the random model to `out` (weights + config); returns `out`. Reuses a finished folder.
+    `device`: where the random weights are drawn (a GPU draws 4B of them in seconds; other values than the CPU's)."""
     if (out / DONE_MARK).exists():
         return out
     tokenizer = build_tiny_tokenizer(Path(tempfile.mkdtemp()), chat_template="qwen35")
@@ -62,7 +69,7 @@ def build_rehearsal_model(out: Path, *, seed: int = 0, text_overrides: dict | No
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), torch.device(device):
             torch.manual_seed(seed)
             model = Qwen3_5ForConditionalGeneration(config)
     finally:

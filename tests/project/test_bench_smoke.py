@@ -187,7 +187,7 @@ def test_sandbox_throughput_times_a_git_revision_against_this_checkout() -> None
     assert rows[0]["ratio"] == 1 and all(row["runs_per_s"] > 0 for row in rows)
 
 
-GPU_CHECK_PHASES = ("kernels", "shapes", "generation", "trainer", "vllm")
+GPU_CHECK_PHASES = ("kernels", "rollout", "shapes", "generation", "trainer", "vllm")
 
 
 @pytest.mark.integration
@@ -207,7 +207,11 @@ def test_gpu_check_dry_run_returns_one_tarball_with_a_summary_per_phase(tmp_path
     with tarfile.open(out / "gpu_check.tar.gz") as bundle:
         names = {Path(name).name for name in bundle.getnames()}
         shapes = json.loads(bundle.extractfile("./shapes.json").read())
+        rollout = json.loads(bundle.extractfile("./rollout.json").read())
     assert {f"{p}.{kind}" for p in GPU_CHECK_PHASES for kind in ("log", "json")} | {"summary.txt"} <= names
     assert shapes["restore"]["device"]["bitwise"] and shapes["restore"]["host"]["bitwise"]
     assert shapes["perturbed_equal"] and shapes["updated_equal"]
+    # The rollout phase's peak beside the plan's for the same run (on a GPU: capped at 24 GiB, the 24 GB claim).
+    assert rollout["error"] is None and rollout["plan"]["peak_bytes"] > 0 and rollout["measured_over_planned"] > 0
+    assert rollout["delta_rule_path"] and rollout["conv1d_path"]
     assert not list(tmp_path.glob("gpu-check.*")), "the work folder outlived the script"
