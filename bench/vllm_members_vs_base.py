@@ -2,7 +2,8 @@
 algorithm, on any checkpoint (the dress rehearsal runs it on the random bf16 Qwen3.5-4B in the wrapper layout):
 
   base     greedy tokens of --prompts prompts of --prompt-tokens random token ids, the weights untouched
-  copes    member 0 of a CoPES population: its perturbation written in place into the engine's weights
+  copes    member 0 of a CoPES population (K = 4): its perturbation of one subspace, at sigma x sqrt(K), written in
+           place into the engine's weights
            (ParameterSpace, as copes-run does), the same prompts, then restored; the base tokens must come back
   eggroll  every member of an EGGROLL population as a LoRA adapter (copes.rollout.vllm.lora), all in one generate
            call, and the LoRA canary (finite logits that differ from the base's on a 512-token prompt)
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import time
 from collections.abc import Callable
 
@@ -28,6 +30,8 @@ from copes.es.params import ParameterSpace
 from copes.es.strategies import EGGROLL
 from copes.rollout.engine import engine_for, load_rollout_model
 from copes.rollout.vllm.lora import LoRASlots, tied_embeddings
+
+SUBSPACES = 4
 
 
 def greedy_tokens(views: torch.nn.Module, prompts: list[list[int]], new_tokens: int,
@@ -71,7 +75,9 @@ def main() -> None:
     base = greedy_tokens(views, prompts, args.new_tokens)
 
     space = ParameterSpace(views, chunk_size=65536)
-    space.perturb(space.partition(seed=1, num_subspaces=1), seed=1, member=0, subspace=0, sigma=args.sigma)
+    # The headline's K: the member's restore backup is one subspace (1/K of the weights), as in copes-run.
+    space.perturb(space.partition(seed=1, num_subspaces=SUBSPACES), seed=1, member=0, subspace=0,
+                  sigma=args.sigma * math.sqrt(SUBSPACES))
     try:
         copes_member = greedy_tokens(views, prompts, args.new_tokens)
     finally:
