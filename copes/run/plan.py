@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from copes.choices import PER_MEMBER_ALGORITHMS
+from copes.choices import ALGORITHMS_BY_NAME, PER_MEMBER_ALGORITHMS
 from copes.errors import ConfigError
 from copes.rollout.hf_engine import PREFILL_CHUNK_TOKENS
 from copes.run.config import TrainConfig
@@ -112,16 +112,22 @@ def load_config(model: str) -> Any:
     return config
 
 
-def model_shape(config: Any, include: list[str] | None = None, exclude: list[str] | None = None) -> ModelShape:
-    """Build the causal LM on the meta device (no memory, exact shapes) and read off what the plan needs."""
+def model_shape(config: Any, include: list[str] | None = None, exclude: list[str] | None = None, *,
+                tied_left_out: bool = False) -> ModelShape:
+    """Build the causal LM on the meta device (no memory, exact shapes) and read off what the plan needs.
+    `tied_left_out`: a tied embedding is not trainable (a low-rank strategy on vLLM, whose adapters cannot carry
+    it: copes.run.components leaves it out the same way)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from copes.es.selection import select_parameters
+    from copes.rollout.vllm.lora import tied_embeddings
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     parameters = sum(p.numel() for p in model.parameters())
+    if tied_left_out:
+        exclude = [*(exclude or []), *tied_embeddings(model, "", notice=False)]
     try:
         selected = [p for _, p in select_parameters(model, include or None, exclude or None)]
     except ValueError as error:
@@ -467,7 +473,8 @@ def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None,
     device = _device_type(cfg.device)
     dtype = _dtype(cfg, device)
     s = BYTES[dtype]
-    shape = model_shape(load_config(model_path or cfg.model), cfg.include, cfg.exclude)
+    low_rank_on_vllm = cfg.rollout_engine == "vllm" and ALGORITHMS_BY_NAME[cfg.algorithm].low_rank
+    shape = model_shape(load_config(model_path or cfg.model), cfg.include, cfg.exclude, tied_left_out=low_rank_on_vllm)
     if uses_tools is None:
         uses_tools = _task_uses_tools(cfg)
     chunked = uses_tools and cfg.rollout_engine == "hf"  # a tool-less run is one batched generate call

@@ -58,3 +58,15 @@ def test_vllm_on_cpu_plans_its_load_with_the_checkpoint_mapped() -> None:
     assert plan.peak_bytes() == plan.load_bytes > plan.fixed_bytes + plan.rollout_bytes(plan.rows)
     assert "checkpoint pages mapped" in plan.table() and "max(load" in plan.table()
     assert plan_for(build_config(HEADLINE)).load == []
+
+
+def test_low_rank_on_vllm_plans_without_the_tied_embedding() -> None:
+    """Guards EGGROLL on vLLM planning an 8.3 GiB update for the tied embedding, which its adapters cannot carry and
+    the run leaves out (copes.run.components): the update buffers are sized by the largest tensor it does train."""
+    eggroll = {**HEADLINE, "algorithm": "eggroll", "prompt_batch": 16}
+    on_vllm, on_hf = plan_for(build_config(eggroll)), plan_for(build_config({**eggroll, "rollout_engine": "hf"}))
+    embedding = on_hf.shape.vocab * on_hf.shape.hidden
+    assert on_hf.shape.largest_tensor == embedding and on_hf.shape.trainable == on_hf.shape.parameters
+    assert on_vllm.shape.trainable == on_vllm.shape.parameters - embedding
+    assert on_vllm.shape.largest_tensor == on_vllm.shape.intermediate * on_vllm.shape.hidden
+    assert on_vllm.update_bytes < on_hf.update_bytes / 20
