@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import sys
 import types
 from pathlib import Path
@@ -153,6 +155,25 @@ def fold_cpu_output_layer(lm: torch.nn.Module) -> None:
     if (isinstance(head, torch.nn.Linear) and head.weight.device.type == "cpu"
             and getattr(head.forward, "__func__", None) is torch.nn.Linear.forward):
         head.forward = types.MethodType(_linear_on_rows, head)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (macOS, musl)
+        return None
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`). On a CPU, torch's transients below
+    glibc's dynamic mmap threshold (up to 32 MiB: a 4B layer's activations) come from the heap, which keeps what is
+    freed: over four Qwen3.5-4B members the rollout peak crept from 10.69 to 10.82 GiB RSS. A trim between members
+    returns it (a fixed low threshold would too, at 39% of the decode's speed). A no-op off glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def read_preset(model: str, algorithm: str | None = None) -> Path | None:

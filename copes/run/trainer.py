@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from copes.errors import ConfigError, UserError
 from copes.es.strategies.base import WHOLE_POPULATION, StepStats
 from copes.failpoints import failpoint
-from copes.modeling import resolve_model_path
+from copes.modeling import release_free_heap, resolve_model_path
 from copes.rewards.functions import RewardSet, RewardStepStats
 from copes.rollout.engine import engine_for, load_rollout_model
 from copes.run.budget import Budget, BudgetSpent
@@ -180,6 +180,8 @@ class Trainer:
                                                 agent=self.agent, timer=self.timer))
                 rewards = [0.0] * len(examples)
             failpoint("member")  # crash tests: die while this member's perturbation is in the weights
+            if self.device.type == "cpu":
+                release_free_heap()  # the rollout's freed transients, before the next member's
             return rewards
 
         while True:
