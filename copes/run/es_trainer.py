@@ -35,6 +35,7 @@ import torch
 
 from copes.errors import ConfigError
 from copes.rewards.functions import callable_label
+from copes.run.checkpoint import views_on_their_own_storage
 from copes.run.components import GivenParts
 from copes.run.distributed import WORKERS_ENV, gather_values, launched_distributed
 from copes.run.es_config import ESConfig
@@ -420,7 +421,7 @@ class ESTrainer:
         """The current weights and the tokenizer as a Hugging Face checkpoint (output_dir by default)."""
         trainer = self._require_trainer()
         folder = output_dir or self.cfg.output_dir
-        trainer.model.save_pretrained(folder)
+        trainer.model.save_pretrained(folder, state_dict=views_on_their_own_storage(trainer.model))
         trainer.tokenizer.save_pretrained(folder)
 
 

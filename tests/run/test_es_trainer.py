@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from copes import ESConfig, ESTrainer
 from copes.errors import ConfigError
@@ -160,6 +161,10 @@ def test_callback_stop_then_resume_equals_uninterrupted_bitwise(tmp_path):
     assert [e["step"] for e in resumed.state.log_history if "reward" in e] == [1, 2]
     assert [e["reward"] for e in resumed.state.log_history if "reward" in e] == \
         [e["reward"] for e in whole.state.log_history if "reward" in e]
+    resumed.save_model(str(tmp_path / "exported"))  # a Hugging Face checkpoint of the trained weights
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert_bitwise_equal({name: t for name, t in weights(resumed).items() if name in exported.state_dict()},
+                         exported.state_dict())
 
 
 @pytest.mark.slow
