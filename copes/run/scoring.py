@@ -53,7 +53,8 @@ def rollouts(
     trajectories = roll_out(model, tokenizer, task, examples, tools=tools, agent=agent, timer=timer, members=members,
                             row_members=row_members)
     copies = len(members) if members is not None else 1
-    scored = list(zip(trajectories, score_rollouts(task, list(examples) * copies, trajectories)))
+    with timer.overlapping("score"):
+        scored = list(zip(trajectories, score_rollouts(task, list(examples) * copies, trajectories)))
     return [scored[i * len(examples) : (i + 1) * len(examples)] for i in range(copies)]
 
 
@@ -89,10 +90,15 @@ class MemberScoring:
     """Scores members' trajectories on one background thread, in submission order; `record(member, rewards)`
     (float64 [Q], as the strategies return them) runs on that thread as each member's scores are ready. Leaving
     the `with` block waits for every submitted member and raises the first scoring error (unless the block itself
-    raised)."""
+    raised).
 
-    def __init__(self, task: Task, examples: Sequence[Example], record: Callable[[int, torch.Tensor], None]) -> None:
+    With a `timer`, the scoring's wall time adds to its "score" phase (as scoring in line does) and the time the
+    caller waits at the block's end to "score_wait": what overlapping saved is their difference."""
+
+    def __init__(self, task: Task, examples: Sequence[Example], record: Callable[[int, torch.Tensor], None],
+                 timer: PhaseTimer | None = None) -> None:
         self.task, self.examples, self.record = task, list(examples), record
+        self.timer = timer or PhaseTimer()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="copes-scoring")
         self._pending: list[Future[None]] = []
 
@@ -100,7 +106,8 @@ class MemberScoring:
         self._pending.append(self._pool.submit(self._score, member, list(trajectories)))
 
     def _score(self, member: int, trajectories: list[Trajectory]) -> None:
-        scores = score_rollouts(self.task, self.examples, trajectories)
+        with self.timer.overlapping("score"):
+            scores = score_rollouts(self.task, self.examples, trajectories)
         self.record(member, torch.tensor([score.reward for score in scores], dtype=torch.float64))
 
     def __enter__(self) -> MemberScoring:
@@ -108,9 +115,10 @@ class MemberScoring:
 
     def __exit__(self, error_type: type[BaseException] | None, *rest: object) -> None:
         try:
-            for pending in self._pending:
-                if error_type is None:  # an error already leaving the block is the one to report
-                    pending.result()
+            with self.timer("score_wait"):
+                for pending in self._pending:
+                    if error_type is None:  # an error already leaving the block is the one to report
+                        pending.result()
         finally:
             self._pool.shutdown(wait=True)
 

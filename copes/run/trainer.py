@@ -151,7 +151,8 @@ class Trainer:
 
         self.strategy.plan()
         # --overlap-scoring: a member is scored (and journaled) on a background thread while the next one generates.
-        with MemberScoring(self.task, examples, journaled) if self.cfg.overlap_scoring else nullcontext() as scoring:
+        with (MemberScoring(self.task, examples, journaled, self.timer) if self.cfg.overlap_scoring
+              else nullcontext()) as scoring:
             for member in progress_bar(mine, desc=f"step {step} members", leave=False, nested=True,
                                        enabled=self.progress and self.is_main):
                 if member not in scored:
@@ -313,7 +314,7 @@ class Trainer:
                 break
             if stats.zero_update and self.is_main and not any(r.get("zero_update") for r in record.metrics.records):
                 tqdm.write(f"warning: {zero_update_warning(step + 1, stats)}", file=sys.stderr)
-            for phase, seconds in stats.phase_seconds().items():  # rollout includes generate and tools
+            for phase, seconds in stats.phase_seconds().items():  # rollout includes generate, tools and score
                 self.timer.add(phase, seconds)
             metrics = {"step": step + 1,
                        **{k: v for k, v in asdict(stats).items() if not k.endswith("_seconds") and k != "step"},

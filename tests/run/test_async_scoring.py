@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from copes.rollout import Trajectory
 from copes.run.config import build_config
 from copes.run.journal import journal_path
+from copes.run.metrics import PhaseTimer
 from copes.run.scoring import MemberScoring, score_rollouts
 from copes.tasks import get_task
 
@@ -48,6 +50,27 @@ def test_background_scoring_records_every_member_in_order_with_the_in_line_rewar
         assert rewards == [score.reward for score in score_rollouts(task, examples, per_member[member])]
     assert recorded[0][1] != recorded[1][1]  # the rewards tell members apart
     assert all(name.startswith("copes-scoring") for name in threads)
+
+
+def test_the_timer_shows_what_overlapping_saved(monkeypatch):
+    """#35's measurement: the scoring's seconds go to "score" and only the wait at the block's end to "score_wait",
+    so a run's summary says what --overlap-scoring took off the critical path (score - score_wait)."""
+    task = get_task("gsm8k")
+    examples = task.examples("test", limit=2)
+    score_batch = task.score_batch
+
+    def slow_score_batch(*args, **kwargs):
+        time.sleep(0.3)
+        return score_batch(*args, **kwargs)
+
+    monkeypatch.setattr(task, "score_batch", slow_score_batch)
+    timer = PhaseTimer()
+    with MemberScoring(task, examples, lambda member, rewards: None, timer) as scoring:
+        for member in range(3):
+            scoring.submit(member, [Trajectory("", final_text="no idea")] * len(examples))
+            time.sleep(0.5)  # the next member's generation, during which the previous one is scored
+    assert timer.seconds["score"] >= 0.9  # three members' scoring, each at least 0.3 s
+    assert timer.seconds["score_wait"] < 0.2  # the last member was scored while "generating" too
 
 
 @pytest.mark.integration
