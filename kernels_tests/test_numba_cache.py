@@ -69,3 +69,29 @@ def test_each_environment_caches_in_a_folder_of_its_own() -> None:
     cache = kernels.philox_kernel._cache
     assert type(cache._impl.locator) in (numba_cache.UserDirLocator, numba_cache.InTreeLocator)
     assert Path(cache._cache_path).name == numba_cache.ENVIRONMENT_TAG
+
+
+@pytest.mark.slow
+def test_a_child_compiles_and_the_process_only_loads_the_cache(tmp_path: Path) -> None:
+    """warm_up(in_child=True) (the trainer's choice for a multi-GiB model): the compile, and the LLVM state numba keeps
+    for the life of the process that compiles (~0.1 GiB), happen in a child; on a fresh tree this process then finds
+    every kernel in the cache and compiles none."""
+    tree = tmp_path / "tree"
+    shutil.copytree(PACKAGE, tree / "copes_kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    script = (
+        "import json, numba, torch\n"
+        "from copes_kernels import warm_up\n"
+        "from copes_kernels.backends.cpu import kernels, multi_kernels\n"
+        "warm_up((torch.float32,), in_child=True)\n"
+        "dispatchers = [f for m in (kernels, multi_kernels) for f in vars(m).values()\n"
+        "               if isinstance(f, numba.core.registry.CPUDispatcher)]\n"
+        "print(json.dumps({'hits': sum(sum(f.stats.cache_hits.values()) for f in dispatchers),\n"
+        "                  'misses': sum(sum(f.stats.cache_misses.values()) for f in dispatchers)}))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith("NUMBA_CACHE")}
+    env.update(PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tree, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    counts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert counts["hits"] > 0 and counts["misses"] == 0, counts

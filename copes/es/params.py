@@ -55,6 +55,11 @@ from copes.choices import RESTORE_MODES, UPDATE_PRECISIONS
 from copes.es.selection import select_parameters, tensor_id_for, without_sub_ulp
 from copes.failpoints import failpoint
 
+# Weights from which the CPU kernels compile in a child process: numba's compile keeps ~0.1 GiB in the process
+# that runs it, which matters against a multi-GiB model, while the child costs seconds only where its start-up is
+# small beside loading such a model.
+COMPILE_IN_CHILD_BYTES = 2**30
+
 # (parameter index, offset of the slice in the parameter, fp32 gradient estimate of the slice) -> fp32 delta.
 UpdateRule = Callable[[int, int, torch.Tensor], torch.Tensor]
 
@@ -268,9 +273,14 @@ class ParameterSpace:
 
     def warm_up(self) -> float:
         """Compile (or load from numba's on-disk cache) the CPU backend's kernels for these parameters' dtypes, so
-        a fresh install's compile is not charged to the first perturb and update; seconds taken (0.0 on CUDA)."""
-        devices = {p.data.device for p in self.parameters}
-        return sum(ck.warm_up({p.data.dtype for p in self.parameters if p.data.device == d}, device=d) for d in devices)
+        a fresh install's compile is not charged to the first perturb and update; seconds taken (0.0 on CUDA).
+        With large weights on a CPU the compile runs in a child process (`copes_kernels.warm_up`'s in_child)."""
+        seconds = 0.0
+        for device in {p.data.device for p in self.parameters}:
+            held = [p.data for p in self.parameters if p.data.device == device]
+            in_child = sum(t.numel() * t.element_size() for t in held) >= COMPILE_IN_CHILD_BYTES
+            seconds += ck.warm_up({t.dtype for t in held}, device=device, in_child=in_child)
+        return seconds
 
     def synchronize(self) -> None:
         """Wait for queued kernels on every CUDA device holding a parameter (for honest phase timings)."""
