@@ -43,8 +43,11 @@ GiB = 2**30
 # A machine shared with other big jobs: COPES_BENCH_LOCK names a lock file that every model-holding process takes.
 LOCK = Path(os.environ["COPES_BENCH_LOCK"]) if os.environ.get("COPES_BENCH_LOCK") else None
 # The headline config (population 40, K = 4, 64 prompts, 1024 tokens a turn, 8 turns), scaled in counts only.
+# gsm8k's own reward (math) and an instrument that tells the random model's members apart, so that the step
+# applies an update (bench/common/rehearsal_reward.py).
 COMMON = {"task": "gsm8k", "device": "cpu", "dtype": "bfloat16", "steps": 1, "prompt_batch": 1,
-          "max_new_tokens": 8, "max_turns": 2, "eval_size": 0, "seed": 0, "cpu_threads": 2, "sample_every": 0}
+          "max_new_tokens": 8, "max_turns": 2, "eval_size": 0, "seed": 0, "cpu_threads": 2, "sample_every": 0,
+          "reward": ["math", "bench.common.rehearsal_reward:distinct_characters"]}
 RUNS = {
     "copes-hf": {"algorithm": "copes", "population": 4, "subspaces": 4},
     "eggroll-hf": {"algorithm": "eggroll", "population": 4},
@@ -63,7 +66,8 @@ def flags_of(settings: dict[str, Any]) -> list[str]:
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + key.replace("_", "-"))
         else:
-            out += [flag, str(value)]
+            for one in value if isinstance(value, list) else [value]:  # a repeatable option
+                out += [flag, str(one)]
     return out
 
 
@@ -103,6 +107,17 @@ def planned_gib(settings: dict[str, Any], model: Path, ram_gib: float) -> float:
     return round(plan.peak_bytes() / GiB, 3)
 
 
+def replay_planned_gib(settings: dict[str, Any], model: Path, ram_gib: float) -> float:
+    """copes-replay's peak from the run's plan: it holds the weights, the training state and the update's
+    transients, never the restore backup or a rollout."""
+    from copes.run.config import build_config
+    from copes.run.plan import plan_for
+
+    plan = plan_for(build_config({**settings, "model": str(model), "device_memory_gib": ram_gib}))
+    held = sum(line.bytes for line in plan.fixed if line.what != "restore backup")
+    return round((held + plan.update_bytes) / GiB, 3)
+
+
 def copes_run_command(python: str, settings: dict[str, Any], model: Path, out: Path, resume: Path | None = None):
     script = "import sys; from copes.cli import run_command; sys.exit(run_command())"
     extra = ["--resume", str(resume)] if resume else []
@@ -129,6 +144,15 @@ def same_weights(first: Path, second: Path) -> bool:
     return ours.keys() == theirs.keys() and all(raw(ours[k]).equal(raw(theirs[k])) for k in ours)
 
 
+def same_weights_in_child(first: Path, second: Path) -> bool:
+    """same_weights in a child process. Loading two 4B checkpoints here would raise this process's peak RSS to
+    16 GiB, and every later phase's process would report it: a child started with vfork (Python's subprocess)
+    records its parent's peak as its own at exec, and wait4 returns that."""
+    result = subprocess.run([sys.executable, __file__, "--same-weights", str(first), str(second)],
+                            capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def checkpoint_of(run: Path) -> Path:
     from copes.run.checkpoint import find_checkpoint
 
@@ -151,8 +175,9 @@ def journaled_members(run: Path) -> int:
 
 
 def memcpy_gib_per_s() -> float:
-    """This machine's memory-copy bandwidth (best of 5 copies of 1 GiB, read + write counted once: the bytes a
-    decode step must read)."""
+    """This machine's memory-copy bandwidth, best of 5 copies of 1 GiB, counted as STREAM counts a copy: the bytes
+    read plus the bytes written. (Counting a copy's bytes once, as this did before 3 December, halves it: the 4B
+    decode then ran at 1.5x its "floor".)"""
     import torch
 
     source, target = torch.empty(GiB, dtype=torch.uint8), torch.empty(GiB, dtype=torch.uint8)
@@ -162,7 +187,7 @@ def memcpy_gib_per_s() -> float:
         started = time.perf_counter()
         target.copy_(source)
         best = min(best, time.perf_counter() - started)
-    return 1.0 / best
+    return 2.0 / best
 
 
 def members_phase(model_dir: Path, result: Path) -> None:
@@ -236,11 +261,16 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     report_path = work / "rehearsal.json"
     report: dict[str, Any] = json.loads(report_path.read_text()) if report_path.exists() else {}
+    rehearsal_started = time.perf_counter()
     for phase in args.phases:
         started = time.strftime("%H:%M:%S")
         print(f"[{started}] {phase} ...", flush=True)
         entry: dict[str, Any] = {"phase": phase}
         if phase == "members":
+            # Its largest state is CoPES's (the weights and a 1/K restore backup; EGGROLL's members add factors
+            # only, and no update runs): planned as a CoPES run of its rows (2 prompts, 16 tokens, one turn).
+            entry["planned_gib"] = planned_gib({**COMMON, **RUNS["copes-hf"], "prompt_batch": 2, "max_new_tokens": 16,
+                                                "max_turns": 1, "device_memory_gib": args.ram_gib}, model, args.ram_gib)
             result = work / "members.json"
             command = [sys.executable, __file__, "--members-only", str(result), "--model-dir", str(model)]
             entry |= run_measured(locked(big, command), env=env, log=work / "members.log")
@@ -260,8 +290,13 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
                                   log=work / f"{phase}.log")
             summary = out / "summary.json"
             if summary.exists():
-                data = json.loads(summary.read_text())
-                entry["phase_seconds"] = data.get("phase_seconds")
+                phases = json.loads(summary.read_text()).get("phase_seconds") or {}
+                entry["phase_seconds"] = phases
+                # --overlap-scoring (on): the scoring ran beside the next member's generation; in line, the step
+                # would have waited for all of it, overlapped it waited only at the end ("score_wait").
+                # (EGGROLL scores its one batched call in line: no "score_wait".)
+                if "score_wait" in phases:
+                    entry["overlap_saved_s"] = round(phases["score"] - phases["score_wait"], 4)
         elif phase == "kill-resume":
             settings = {**COMMON, **RUNS["copes-hf"], "device_memory_gib": args.ram_gib}
             out = work / phase
@@ -273,18 +308,22 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
             entry |= {**resumed, "killed": first["killed"], "killed_status": first["status"],
                       "kill_wall_s": first["wall_s"],
                       "peak_rss_gib": max(first["peak_rss_gib"], resumed["peak_rss_gib"])}
-            entry["bitwise_vs_uninterrupted"] = same_weights(checkpoint_of(out), checkpoint_of(work / "copes-hf"))
+            entry["bitwise_vs_uninterrupted"] = same_weights_in_child(checkpoint_of(out),
+                                                                      checkpoint_of(work / "copes-hf"))
         elif phase == "replay":
+            entry["planned_gib"] = replay_planned_gib({**COMMON, **RUNS["copes-hf"]}, model, args.ram_gib)
             output = work / "replayed"
             script = "import sys; from copes.cli import replay_command; sys.exit(replay_command())"
             command = [sys.executable, "-c", script, str(work / "copes-hf"), "--output", str(output), "--quiet"]
             entry |= run_measured(locked(big, command), env=env, log=work / "replay.log")
-            entry["bitwise"] = same_weights(output, checkpoint_of(work / "copes-hf"))
+            entry["bitwise"] = same_weights_in_child(output, checkpoint_of(work / "copes-hf"))
         if "planned_gib" in entry and entry.get("peak_rss_gib"):
             entry["measured_over_planned"] = round(entry["peak_rss_gib"] / entry["planned_gib"], 3)
         report[phase] = entry
+        report["wall_s"] = {"phases": args.phases, "total": round(time.perf_counter() - rehearsal_started, 1)}
         report_path.write_text(json.dumps(report, indent=1))
         print(json.dumps(entry), flush=True)
+    print(f"{len(args.phases)} phases in {report['wall_s']['total'] / 60:.1f} minutes", flush=True)
     return report
 
 
@@ -297,7 +336,11 @@ def main() -> None:
     parser.add_argument("--ram-gib", type=float, default=22.0, help="the RAM budget the plan is made for")
     parser.add_argument("--reduced", action="store_true", help="a reduced-width model (the slow-lane test)")
     parser.add_argument("--members-only", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--same-weights", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.same_weights:
+        print(json.dumps(same_weights(*args.same_weights)))
+        return
     if args.members_only:
         members_phase(args.model_dir, args.members_only)
         return

@@ -14,19 +14,34 @@ import pytest
 
 from helpers.paths import REPO
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-
+@pytest.mark.slow
+@pytest.mark.integration
 def test_the_rehearsals_copes_phase_runs_and_is_measured_against_the_plan(tmp_path):
     work = tmp_path / "work"
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "dress_rehearsal.py"), "--reduced", "--model-dir",
-         str(tmp_path / "model"), "--work", str(work), "--phases", "copes-hf"],
+         str(tmp_path / "model"), "--work", str(work), "--phases", "copes-hf", "replay"],
         capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    phase = json.loads((work / "rehearsal.json").read_text())["copes-hf"]
+    report = json.loads((work / "rehearsal.json").read_text())
+    phase = report["copes-hf"]
     assert phase["status"] == 0, (work / "copes-hf.log").read_text()[-3000:]
     assert phase["planned_gib"] > 0 and phase["peak_rss_gib"] > 0 and phase["wall_s"] > 0
+    assert "score" in phase["phase_seconds"] and phase["overlap_saved_s"] >= 0  # what --overlap-scoring saved
+    step = json.loads((work / "copes-hf" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "rewards/bench.common.rehearsal_reward:distinct_characters/mean" in step  # the instrument ran
+    replay = report["replay"]
+    assert replay["status"] == 0 and replay["bitwise"] is True and replay["planned_gib"] > 0
     assert (tmp_path / "model" / "config.json").is_file()
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and config["tie_word_embeddings"]
+
+
+def test_the_rehearsal_reward_tells_completions_apart():
+    """The instrument that makes the random 4B model's step apply an update (members whose tokens differ)."""
+    sys.path.insert(0, str(REPO))
+    from bench.common.rehearsal_reward import distinct_characters
+
+    conversation = [{"role": "assistant", "content": "xyx"}, {"role": "tool", "content": None}]
+    assert distinct_characters(["aab", conversation, ""]) == [2 / 3, 3 / 4, 0.0]  # "xyx " and ""
