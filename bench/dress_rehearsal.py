@@ -262,6 +262,8 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
     report_path = work / "rehearsal.json"
     report: dict[str, Any] = json.loads(report_path.read_text()) if report_path.exists() else {}
     rehearsal_started = time.perf_counter()
+    this_run = {"phases": args.phases, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": 0.0}
+    report.setdefault("runs", []).append(this_run)  # a rerun of some phases keeps earlier runs' times
     for phase in args.phases:
         started = time.strftime("%H:%M:%S")
         print(f"[{started}] {phase} ...", flush=True)
@@ -320,10 +322,10 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
         if "planned_gib" in entry and entry.get("peak_rss_gib"):
             entry["measured_over_planned"] = round(entry["peak_rss_gib"] / entry["planned_gib"], 3)
         report[phase] = entry
-        report["wall_s"] = {"phases": args.phases, "total": round(time.perf_counter() - rehearsal_started, 1)}
+        this_run["wall_s"] = round(time.perf_counter() - rehearsal_started, 1)
         report_path.write_text(json.dumps(report, indent=1))
         print(json.dumps(entry), flush=True)
-    print(f"{len(args.phases)} phases in {report['wall_s']['total'] / 60:.1f} minutes", flush=True)
+    print(f"{len(args.phases)} phases in {this_run['wall_s'] / 60:.1f} minutes", flush=True)
     return report
 
 

@@ -33,6 +33,7 @@ def test_the_rehearsals_copes_phase_runs_and_is_measured_against_the_plan(tmp_pa
     assert "rewards/bench.common.rehearsal_reward:distinct_characters/mean" in step  # the instrument ran
     replay = report["replay"]
     assert replay["status"] == 0 and replay["bitwise"] is True and replay["planned_gib"] > 0
+    assert [run["phases"] for run in report["runs"]] == [["copes-hf", "replay"]] and report["runs"][0]["wall_s"] > 0
     assert (tmp_path / "model" / "config.json").is_file()
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and config["tie_word_embeddings"]
