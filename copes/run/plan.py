@@ -432,7 +432,7 @@ def decode_packs_gqa() -> bool:
 def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[list[PlanLine], list[PlanLine], str]:
     """Per row and once per call lines of a generate call, and the layer kind of the activation peak."""
     kinds = layer_activation_bytes_per_token(shape, s)
-    kind, per_token = max(kinds.items(), key=lambda item: item[1])
+    per_token = max(kinds.values())
     context, prefill = rollout.context_tokens, rollout.prefill_tokens
     kv = kv_bytes_per_token(shape, s) * context
     state = recurrent_bytes_per_row(shape, s)
@@ -445,19 +445,26 @@ def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[li
     per_row.append(PlanLine("delta-net state", state,
                             f"{shape.linear_layers} layers, fp32 recurrent" if shape.linear_layers else "none"))
     # A masked SDPA call with several query positions gets K and V repeated to the query heads (transformers'
-    # repeat_kv), one layer at a time; a decode step packs the query heads instead (pack_gqa).
-    repeated = 2 * shape.heads * shape.head_dim * context * s if shape.full_attention_layers else 0
-    if shape.full_attention_layers and not decode_packs_gqa():  # every decode step repeats each row's K/V
+    # repeat_kv), one layer at a time; a decode step packs the query heads instead (pack_gqa). With one KV head the
+    # repeat is a stride-0 view (measured: no bytes), so only several KV heads copy.
+    repeated = 2 * shape.heads * shape.head_dim * context * s if shape.kv_heads > 1 else 0
+    if shape.full_attention_layers and repeated and not decode_packs_gqa():  # every decode step repeats each row's K/V
         per_row.append(PlanLine("decode K/V repeated", repeated,
                                 "one layer's, to the query heads (this transformers has no pack_gqa)"))
     # One decoded position: a layer's transients, the mask row, fp32 logits, scores and probabilities.
     decode = PlanLine("decode step", per_token + context + shape.vocab * 4 * 3,
                       f"1 token x {per_token:,} B + mask + fp32 logits, scores, probabilities")
+    # Layers run one at a time, so the prefill's peak is its heaviest layer's; an attention layer's includes its K/V
+    # repeated to the query heads (measured at reduced width: the two never coexist with an MLP's or a delta-net's).
+    layer_peaks = {name: bytes_ * prefill + (repeated if name == "attention" else 0) for name, bytes_ in kinds.items()}
+    kind = max(layer_peaks, key=layer_peaks.__getitem__)
+    why = f"{prefill} tokens x {kinds[kind]:,} B ({kind})"
+    if kind == "attention" and repeated:
+        why += f" + K/V repeated to the query heads, {repeated:,} B"
     prefill_lines = [
-        PlanLine("prefill activations", per_token * prefill, f"{prefill} tokens x {per_token:,} B ({kind})"),
-        # transformers' SDPA path builds a boolean [q, kv] mask (per row when rows are padded).
+        PlanLine("prefill activations", layer_peaks[kind], why),
+        # transformers' SDPA path builds a boolean [q, kv] mask (per row when rows are padded), live all forward.
         PlanLine("attention mask", prefill * context if shape.full_attention_layers else 0, "bool [q, kv]"),
-        PlanLine("prefill K/V repeated", repeated, "one layer's, to the query heads"),
         PlanLine("prefill logits", shape.vocab * s, "the last position's"),
     ]
     if rollout.chunked:
