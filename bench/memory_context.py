@@ -33,37 +33,44 @@ BIG_MEMORY_LOCK = Path(os.environ["COPES_BENCH_LOCK"]) if os.environ.get("COPES_
 KINDS = ("GRPO update, checkpointing", "GRPO update, no checkpointing", "ES member (HF engine)")
 
 
+def planned_mib(name: str, context: int, kind: str) -> float:
+    """Today's plan for one point (config only, instant): recomputed for stored points, so the CSV and the plot
+    always set the measurements beside the plan as it is now."""
+    from copes.run.plan import RolloutShape, _rollout_lines, model_shape
+    from copes.run.plan_grpo import grpo_columns
+
+    from common import grpo_memory
+
+    shape = model_shape(grpo_memory.reduced_config(name))
+    if kind.startswith("GRPO"):
+        # The moments of a bf16 model under torch's AdamW are bf16; a mixed-precision user keeps them in fp32
+        # with fp32 masters: the plan's state lines, counted exactly. Compared here: gradients and activations.
+        planned = grpo_columns(shape, "bfloat16", context, COMPLETION, kl=False, checkpointing=kind == KINDS[0],
+                               copes=None).update_bytes()
+    else:  # one turn: no kept copy
+        rollout = RolloutShape(1, context - COMPLETION, COMPLETION, 0, context, min(512, context - COMPLETION), True)
+        per_row, per_call, _ = _rollout_lines(shape, rollout, 2)
+        planned = sum(line.bytes for line in per_row + per_call if line.what != "kept KV copy")
+    return round(planned / 2**20, 2)
+
+
 def measure(point: tuple[str, int, str]) -> dict[str, object]:
     """One point in a fresh process (bf16, one thread): bytes beyond the weights."""
     name, context, kind = point
     pin_one_thread()
     import torch
 
-    from copes.run.plan import model_shape
-    from copes.run.plan_grpo import grpo_columns
-
     from common import grpo_memory
 
     model = grpo_memory.reduced_model(name, torch.bfloat16)
     prompts = torch.randint(1, grpo_memory.VOCAB - 1, (ROWS, context - COMPLETION),
                             generator=torch.Generator().manual_seed(context))
-    shape = model_shape(grpo_memory.reduced_config(name))
-    checkpointing = kind == KINDS[0]
-    columns = grpo_columns(shape, "bfloat16", context, COMPLETION, kl=False, checkpointing=checkpointing, copes=None)
     if kind.startswith("GRPO"):
-        peaks = grpo_memory.grpo_update_peaks(model, prompts, COMPLETION, checkpointing=checkpointing)
-        # The moments of a bf16 model under torch's AdamW are bf16; a mixed-precision user keeps them in fp32
-        # with fp32 masters: the plan's state lines, counted exactly. Compared here: gradients and activations.
-        measured, planned = peaks.update, columns.update_bytes()
+        measured = grpo_memory.grpo_update_peaks(model, prompts, COMPLETION, checkpointing=kind == KINDS[0]).update
     else:
-        from copes.run.plan import RolloutShape, _rollout_lines
-
         measured = grpo_memory.es_member_peak(model, prompts, COMPLETION)
-        rollout = RolloutShape(1, context - COMPLETION, COMPLETION, 0, context, min(512, context - COMPLETION), True)
-        per_row, per_call, _ = _rollout_lines(shape, rollout, 2)
-        planned = sum(line.bytes for line in per_row + per_call if line.what != "kept KV copy")
     return {"model": name, "context": context, "kind": kind, "measured_mib": round(measured / 2**20, 2),
-            "planned_mib": round(planned / 2**20, 2)}
+            "planned_mib": planned_mib(name, context, kind)}
 
 
 @contextlib.contextmanager
@@ -82,6 +89,13 @@ def big_memory(needed: bool) -> Iterator[None]:
 
 def sweep(models: Sequence[str], lengths: Sequence[int], kinds: Sequence[str]) -> list[dict[str, str]]:
     done = list(csv.DictReader(CSV.open())) if CSV.is_file() else []
+    for row in done:  # measurements stay; the plan beside them is today's
+        row["planned_mib"] = str(planned_mib(row["model"], int(row["context"]), row["kind"]))
+    if done:
+        with CSV.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, FIELDS)
+            writer.writeheader()
+            writer.writerows(done)
     seen = {(row["model"], int(row["context"]), row["kind"]) for row in done}
     context = multiprocessing.get_context("spawn")
     for length in lengths:

@@ -100,6 +100,7 @@ class GRPOPlan:
     activations_checkpointed: int  # each layer's input and one layer's saved activations
     logits: int
     embedding_gradient: int  # the (tied) embedding's, the backward's first
+    backward_transients: int  # an MLP's backward: the gradients of its product and of one branch, beside the saved
     gradients: int
     gathered: int  # one layer's weights and gradients, unsharded (FSDP)
     copes: MemoryPlan | None  # the CoPES plan for one COPES_CARD_GIB card
@@ -115,7 +116,7 @@ class GRPOPlan:
     def update_bytes(self, checkpointing: bool | None = None) -> int:
         """The backward's start (every saved activation, the logits' terms and the embedding's gradient, the first
         computed) or its end (every gradient, with each layer's input and the layer recomputed last)."""
-        start = self.activations(checkpointing) + self.logits + self.embedding_gradient
+        start = self.activations(checkpointing) + self.logits + self.embedding_gradient + self.backward_transients
         return max(start, self.gradients + self.activations_checkpointed)
 
     def peak_bytes(self, checkpointing: bool | None = None) -> int:
@@ -128,7 +129,8 @@ class GRPOPlan:
         usable = int(card_gib * GIB * (1 - RESERVE_FRACTION)) - RESERVE_BYTES - self.gathered
         if usable <= 0:
             return None
-        total = self.state_bytes + max(self.sampling, self.activations(checkpointing) + self.logits)
+        total = self.state_bytes + max(self.sampling,
+                                       self.activations(checkpointing) + self.logits + self.backward_transients)
         return max(1, math.ceil(total / usable))
 
     def line(self) -> str:
@@ -152,6 +154,7 @@ class GRPOPlan:
                 ("saved activations, checkpointing", self.activations_checkpointed),
                 ("saved activations, no checkpointing", self.activations_full),
                 ("completion logits, log-softmax, gradient", self.logits),
+                ("one MLP's backward (2 x intermediate)", self.backward_transients),
                 ("gradients (the update's end)", self.gradients),
                 ("one layer gathered (FSDP)", self.gathered)]
         out += [f"  {what:<40}{_gib(size):>11}" for what, size in rows]
@@ -202,7 +205,10 @@ def grpo_columns(shape: ModelShape, dtype: str, context: int, completion: int, *
     largest_layer = (parameters - shape.vocab * shape.hidden) // max(layers, 1)
     return GRPOPlan(shape, dtype, context, completion, kl, checkpointing, state, sampling,
                     activation_bytes(shape, s, context, False), activation_bytes(shape, s, context, True),
-                    logits_bytes(shape, s, completion), shape.vocab * shape.hidden * s, gradients=parameters * s,
+                    logits_bytes(shape, s, completion), shape.vocab * shape.hidden * s,
+                    # measured at the backward's peak (reduced Qwen3, 8K): two [tokens, intermediate] gradients
+                    # beside the recomputed layer's saved tensors
+                    backward_transients=2 * shape.intermediate * s * context, gradients=parameters * s,
                     gathered=2 * largest_layer * s, copes=copes)
 
 
