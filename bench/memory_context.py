@@ -33,9 +33,8 @@ BIG_MEMORY_LOCK = Path(os.environ["COPES_BENCH_LOCK"]) if os.environ.get("COPES_
 KINDS = ("GRPO update, checkpointing", "GRPO update, no checkpointing", "ES member (HF engine)")
 
 
-def planned_mib(name: str, context: int, kind: str) -> float:
-    """Today's plan for one point (config only, instant): recomputed for stored points, so the CSV and the plot
-    always set the measurements beside the plan as it is now."""
+def plan_terms(name: str, context: int, kind: str) -> list[tuple[str, int]]:
+    """The plan's terms of one point (config only, instant), in bytes: what its planned peak adds up."""
     from copes.run.plan import RolloutShape, _rollout_lines, model_shape
     from copes.run.plan_grpo import grpo_columns
 
@@ -45,13 +44,22 @@ def planned_mib(name: str, context: int, kind: str) -> float:
     if kind.startswith("GRPO"):
         # The moments of a bf16 model under torch's AdamW are bf16; a mixed-precision user keeps them in fp32
         # with fp32 masters: the plan's state lines, counted exactly. Compared here: gradients and activations.
-        planned = grpo_columns(shape, "bfloat16", context, COMPLETION, kl=False, checkpointing=kind == KINDS[0],
-                               copes=None).update_bytes()
-    else:  # one turn: no kept copy
-        rollout = RolloutShape(1, context - COMPLETION, COMPLETION, 0, context, min(512, context - COMPLETION), True)
-        per_row, per_call, _ = _rollout_lines(shape, rollout, 2)
-        planned = sum(line.bytes for line in per_row + per_call if line.what != "kept KV copy")
-    return round(planned / 2**20, 2)
+        checkpointing = kind == KINDS[0]
+        grpo = grpo_columns(shape, "bfloat16", context, COMPLETION, kl=False, checkpointing=checkpointing, copes=None)
+        start = [("saved activations", grpo.activations()), ("completion logits", grpo.logits),
+                 ("embedding gradient", grpo.embedding_gradient), ("one MLP's backward", grpo.backward_transients)]
+        end = [("gradients", grpo.gradients), ("saved activations, checkpointing", grpo.activations_checkpointed)]
+        return start if sum(b for _, b in start) >= sum(b for _, b in end) else end
+    # One turn: no kept copy.
+    rollout = RolloutShape(1, context - COMPLETION, COMPLETION, 0, context, min(512, context - COMPLETION), True)
+    per_row, per_call, _ = _rollout_lines(shape, rollout, 2)
+    return [(line.what, line.bytes) for line in per_row + per_call if line.what != "kept KV copy"]
+
+
+def planned_mib(name: str, context: int, kind: str) -> float:
+    """Today's plan for one point: recomputed for stored points, so the CSV and the plot always set the
+    measurements beside the plan as it is now."""
+    return round(sum(size for _, size in plan_terms(name, context, kind)) / 2**20, 2)
 
 
 def measure(point: tuple[str, int, str]) -> dict[str, object]:

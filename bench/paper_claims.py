@@ -278,9 +278,33 @@ def memory_section() -> list[str]:
                 ratios = [f"{kinds[k] / es:.1f}x" if k in kinds else "-"
                           for k in ("GRPO update, checkpointing", "GRPO update, no checkpointing")]
                 out.append(f"| {model} | {_tokens(context)} | {ratios[0]} | {ratios[1]} |")
-        out += ["", *MEMORY_EXPLAINED]
+        out += ["", *MEMORY_EXPLAINED, *longest_context_explained(rows)]
     out += ["", "### Planned at the paper's scale (`copes-run --plan`, Qwen3.5-4B, bf16)", ""]
     out += ["```", *planned_lines(), "```"]
+    return out
+
+
+def longest_context_explained(rows: list[dict[str, str]]) -> list[str]:
+    """Each model's longest measured context, point by point: the measurement beside the plan's terms."""
+    from memory_context import plan_terms
+
+    out = []
+    for model in sorted({row["model"] for row in rows}):
+        longest = max(int(row["context"]) for row in rows if row["model"] == model)
+        points = {row["kind"]: float(row["measured_mib"]) for row in rows
+                  if row["model"] == model and int(row["context"]) == longest}
+        parts = []
+        for kind, measured in sorted(points.items()):
+            terms = plan_terms(model, longest, kind)
+            planned = sum(size for _, size in terms) / 2**20
+            named = ", ".join(f"{what} {size / 2**20:.1f}" for what, size in terms if size >= 2**19)
+            parts.append(f"{kind}: measured {measured:.1f} MiB against {planned:.1f} planned "
+                         f"({measured / planned:.2f}; the plan's terms: {named})")
+        es = points.get("ES member (HF engine)")
+        ratios = ", ".join(f"{value / es:.0f}x ({kind.removeprefix('GRPO update, ')})"
+                           for kind, value in sorted(points.items()) if kind.startswith("GRPO")) if es else ""
+        out.append(f"- **{model} at {_tokens(longest)}, the longest context measured, point by point.** "
+                   + "; ".join(parts) + (f". GRPO's update over the ES member: {ratios}." if ratios else "."))
     return out
 
 
@@ -368,16 +392,12 @@ MEMORY_EXPLAINED = [
     "reported (docs/benchmarks-history.md) came from measuring the ES side with plain `model.generate` on a "
     "full-attention Qwen3: its unchunked prefill holds one layer's transients over all 16K positions and computes "
     "the whole prompt's fp32 logits, a cost copes' engine does not have.",
-    "- **Measured against planned**: the ES member measures below its plan (the plan adds the prefill chunk to the "
-    "rows' peak though the two do not coincide); the GRPO update measures within a few percent of its plan.",
-    "- **The longest context, 32K, point by point** (reduced Qwen3.5 only: the full-attention Qwen3 was not run "
-    "past 16K for time). The GRPO update with checkpointing measured 1482 MiB against 1466 planned (1.01), without "
-    "it 4645 against 4550 (1.02): per token, every layer's saved input and one layer's activations, or every "
-    "layer's activations. The ES member measured 33.9 MiB against 65.7 planned (0.52): its KV (8.0 MiB at 256 B a "
-    "token), a 512-position chunk's activations (9.5) and the chunk's [512 x 32K] boolean mask (16.0) add up to "
-    "33.5; the plan also counts one layer's K/V repeated to the query heads (32.0 MiB), which transformers skips "
-    "when a prefill has no padding mask (one row here; a ragged batch has one, and then the repeat is real). So "
-    "GRPO over the ES member is 44x with checkpointing and 137x without at 32K, against 34x and 107x at 16K.",
+    "- **Measured against planned**: every point is within 0.86-1.01 of its plan. Two plan fixes of 3 December "
+    "brought it there, each found by listing the tensors live at the measured peak: the ES member's prefill peak "
+    "is its heaviest layer's, not every layer's transients added (layers run one at a time), and with one KV head "
+    "(the reduced Qwen3.5) transformers' `repeat_kv` is a stride-0 view that costs nothing (the ES column was "
+    "0.52-0.78 before); and the backward of an MLP holds two [tokens, intermediate] gradients beside the saved "
+    "tensors (Qwen3's update with checkpointing was 1.07-1.08 at 16K-32K before).",
 ]
 NOT_TESTABLE = [
     "## Not testable here, and why", "",
