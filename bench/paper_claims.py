@@ -313,14 +313,17 @@ def vllm_section() -> list[str]:
 
 
 def longest_context_explained(rows: list[dict[str, str]]) -> list[str]:
-    """Each model's longest measured context, point by point: the measurement beside the plan's terms."""
+    """Each model's longest context where both GRPO and the ES member were measured, point by point: the
+    measurement beside the plan's terms."""
     from memory_context import plan_terms
 
     out = []
     for model in sorted({row["model"] for row in rows}):
-        longest = max(int(row["context"]) for row in rows if row["model"] == model)
-        points = {row["kind"]: float(row["measured_mib"]) for row in rows
-                  if row["model"] == model and int(row["context"]) == longest}
+        model_rows = [row for row in rows if row["model"] == model]
+        compared = {int(row["context"]) for row in model_rows if row["kind"].startswith("GRPO")} & {
+            int(row["context"]) for row in model_rows if not row["kind"].startswith("GRPO")}
+        longest = max(compared or {int(row["context"]) for row in model_rows})  # where GRPO and ES both ran
+        points = {row["kind"]: float(row["measured_mib"]) for row in model_rows if int(row["context"]) == longest}
         parts = []
         for kind, measured in sorted(points.items()):
             terms = plan_terms(model, longest, kind)
@@ -331,7 +334,7 @@ def longest_context_explained(rows: list[dict[str, str]]) -> list[str]:
         es = points.get("ES member (HF engine)")
         ratios = ", ".join(f"{value / es:.0f}x ({kind.removeprefix('GRPO update, ')})"
                            for kind, value in sorted(points.items()) if kind.startswith("GRPO")) if es else ""
-        out.append(f"- **{model} at {_tokens(longest)}, the longest context measured, point by point.** "
+        out.append(f"- **{model} at {_tokens(longest)}, the longest context with both measured, point by point.** "
                    + "; ".join(parts) + (f". GRPO's update over the ES member: {ratios}." if ratios else "."))
     return out
 
