@@ -96,8 +96,10 @@ def big_memory(needed: bool) -> Iterator[None]:
 
 
 def sweep(models: Sequence[str], lengths: Sequence[int], kinds: Sequence[str]) -> list[dict[str, str]]:
-    done = list(csv.DictReader(CSV.open())) if CSV.is_file() else []
-    for row in done:  # measurements stay; the plan beside them is today's
+    stored = list(csv.DictReader(CSV.open())) if CSV.is_file() else []
+    # One row per point (two sweeps run side by side can both measure one); measurements stay, the plan is today's.
+    done = list({(row["model"], int(row["context"]), row["kind"]): row for row in stored}.values())
+    for row in done:
         row["planned_mib"] = str(planned_mib(row["model"], int(row["context"]), row["kind"]))
     if done:
         with CSV.open("w", newline="") as handle:

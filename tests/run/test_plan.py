@@ -229,7 +229,7 @@ def test_the_hf_engines_two_turn_peak_matches_the_plan(name, dtype):
 @pytest.mark.parametrize("name", sorted(REDUCED))
 def test_one_members_long_context_rollout_matches_the_plan(name):
     """One row of 4K tokens through the HF engine's chunked prefill, bf16, every allocation counted, within the
-    0.8-1.05 band (measured 0.86-1.01 from 1K to 32K by bench/memory_context.py). Guards #39: the plan added one
+    0.8-1.05 band (measured 0.86-1.01 from 1K to 64K by bench/memory_context.py). Guards #39: the plan added one
     layer's K/V repeated to the query heads on top of the heaviest layer's activations, though layers run one at a
     time, and counted it with one KV head, where transformers' repeat_kv is a stride-0 view (0.76 and 0.78 here)."""
     from copes.rollout.hf_engine import HFEngine
