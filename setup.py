@@ -12,7 +12,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["copes", "copes.*", "copes_kernels", "copes_kernels.*"]),
-    package_data={"copes": ["assets/tiny/*", "assets/tiny-agent/*", "assets/*.json", "assets/*.jsonl"]},
+    package_data={"copes": ["assets/tiny/*", "assets/tiny-agent/*", "assets/small/*", "assets/*.json",
+                            "assets/*.jsonl"]},
     install_requires=[
         "torch>=2.5",  # increment_version of a list of tensors (copes/es/params.py)
         "numpy>=1.24",

@@ -17,8 +17,9 @@ from copes.extras import warn_missing_gpu_kernels
 
 EMBEDDED_MODEL = "tiny"  # the name that picks the model shipped in copes/assets
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
-# Every model shipped in copes/assets by name: the default, and the tool-using one of configs/tiny-agent-*.yaml.
-EMBEDDED_MODELS = {EMBEDDED_MODEL: EMBEDDED_MODEL_DIR, "tiny-agent": EMBEDDED_MODEL_DIR.parent / "tiny-agent"}
+# Every model shipped in copes/assets by name: the default, the tool-using one of configs/tiny-agent-*.yaml, and
+# the larger one of the paper-claims ablations (arithmetic and Countdown).
+EMBEDDED_MODELS = {name: EMBEDDED_MODEL_DIR.parent / name for name in (EMBEDDED_MODEL, "tiny-agent", "small")}
 PRESET_FILE = "copes.yaml"  # a model folder's own recommended ES settings
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -26,7 +27,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model_path(model: str) -> str:
-    """'tiny' or 'tiny-agent' -> an embedded model; an existing folder must hold weights; anything else is a hub id."""
+    """An embedded model's name -> its folder; an existing folder must hold weights; anything else is a hub id."""
     if model in EMBEDDED_MODELS:
         return str(EMBEDDED_MODELS[model])
     path = Path(model).expanduser()

@@ -121,6 +121,18 @@ def batch_tensors(rows: list[tuple[list[int], list[int]]], pad: int) -> dict[str
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
+def save(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, summary: dict) -> None:
+    """The model, its tokenizer (loadable under transformers 4 and 5) and training_summary.json in `out`."""
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    # transformers 5 writes its own class name (TokenizersBackend); the 4.x name loads under both majors.
+    tokenizer_config_path = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(tokenizer_config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where save_pretrained writes the model")
@@ -228,18 +240,11 @@ def main() -> None:
                                "tool_use_rate": result.tool_use_rate}
         print(f"{task.name}: held-out accuracy {result.accuracy:.3f}, tool use {result.tool_use_rate:.3f}")
 
-    model.save_pretrained(args.out, safe_serialization=True)
-    tokenizer.save_pretrained(args.out)
-    # transformers 5 writes its own class name (TokenizersBackend); the 4.x name loads under both majors.
-    tokenizer_config_path = args.out / "tokenizer_config.json"
-    tokenizer_config = json.loads(tokenizer_config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     summary = {key: value for key, value in vars(args).items() if key != "out"}
     summary.update(steps_taken=step, parameters=parameters, transcripts=len(rows),
                    final_loss=sum(losses[-100:]) / len(losses[-100:]),
                    training_seconds=round(training_seconds), held_out=held_out)
-    (args.out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    save(model, tokenizer, args.out, summary)
     print(f"saved to {args.out} ({time.perf_counter() - started:.0f}s in all)")
 
 
