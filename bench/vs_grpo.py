@@ -138,8 +138,15 @@ def grpo_curve(trainer: Any, curve: Curve, clock: TrainingClock, output_dir: str
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    task, train_set = trainer.task, trainer.train_set
-    prompts = Dataset.from_list([{"prompt": task.prompt(example), "index": i} for i, example in enumerate(train_set)])
+    from copes.rollout import render_prompt
+
+    task, train_set, tokenizer = trainer.task, trainer.train_set, trainer.tokenizer
+
+    def prompt(example: Any) -> str:  # the text an ES rollout starts from (a chat task's user turn, rendered)
+        text = task.prompt(example)
+        return render_prompt(tokenizer, [{"role": "user", "content": text}]) if task.chat else text
+
+    prompts = Dataset.from_list([{"prompt": prompt(example), "index": i} for i, example in enumerate(train_set)])
 
     def reward(prompts: list[str], completions: list[str], index: list[int], **_: Any) -> list[float]:
         return [task.score(completion, train_set[i]).reward for completion, i in zip(completions, index)]
@@ -186,12 +193,13 @@ class Job:
     eval_size: int
     overrides: tuple[tuple[str, Any], ...] = ()
     max_steps: int | None = None  # ES methods: stop after this many steps (equal evaluations) or at the budget
+    model: str = "tiny"  # an embedded model's name (its preset is the method's base) or a model folder
 
 
 def job_config(job: Job, output_dir: str) -> Any:
-    """The run's TrainConfig: the method's preset on the tiny model under the job's overrides and the race's own
+    """The run's TrainConfig: the method's preset on the job's model under the job's overrides and the race's own
     settings (seed, one thread, no checkpoints, the shared held-out size)."""
-    return train_config("tiny", {**ES_METHODS.get(job.method, {}), **dict(job.overrides), "seed": job.seed,
+    return train_config(job.model, {**ES_METHODS.get(job.method, {}), **dict(job.overrides), "seed": job.seed,
                                  "checkpoint_every": 0, "cpu_threads": 1, "eval_size": job.eval_size,
                                  "output_dir": output_dir})
 

@@ -1,6 +1,7 @@
-"""bench/paper_claims.py end to end at its smallest configuration: real runs of the trainer on the embedded model
-(K = 1 and K = 4 at equal evaluations, two seeds), each cell saved as it ends, the page written with the binding
-names, and a rerun that resumes from the saved cells instead of training again."""
+"""bench/paper_claims.py end to end at its smallest configuration: real runs of the trainer on the embedded models
+(K = 1 and K = 4 at equal evaluations, two seeds, on the tiny model's arithmetic and the small model's Countdown),
+each cell saved as it ends, the page written with the binding names, and a rerun that resumes from the saved cells
+instead of training again."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from helpers.paths import REPO
 
 
 def _run(tmp_path, *extra: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(REPO / "bench" / "paper_claims.py"), "--quick", "--seeds", "2", "--configs",
-               "K = 1", "K = 4", "--budgets", "equal evaluations", "--results", str(tmp_path / "cells"),
+    command = [sys.executable, str(REPO / "bench" / "paper_claims.py"), "--quick", "--seeds", "2", "--tables",
+               "tiny-arithmetic", "small-countdown", "--configs", "K = 1", "K = 4", "--budgets", "equal evaluations",
+               "--results", str(tmp_path / "cells"),
                "--page", str(tmp_path / "page.md"), *extra]
     return subprocess.run(command, cwd=REPO / "bench", capture_output=True, text=True, timeout=1200,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
@@ -25,11 +27,13 @@ def _run(tmp_path, *extra: str) -> subprocess.CompletedProcess:
 def test_the_smallest_table_runs_end_to_end_and_resumes(tmp_path):
     first = _run(tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
-    cells = sorted((tmp_path / "cells" / "equal_evaluations").glob("*.json"))
-    assert [cell.name for cell in cells] == ["K___1__seed0.json", "K___1__seed1.json", "K___4__seed0.json",
-                                             "K___4__seed1.json"]
+    cells = sorted((tmp_path / "cells").glob("*/equal_evaluations/*.json"))
+    assert [str(cell.relative_to(tmp_path / "cells")) for cell in cells] == [
+        f"{table}/equal_evaluations/K___{k}__seed{seed}.json"
+        for table in ("small-countdown", "tiny-arithmetic") for k in (1, 4) for seed in (0, 1)]
     page = (tmp_path / "page.md").read_text()
     assert "| K = 1 | 2 |" in page and "| K = 4 | 2 |" in page and "±" in page and "32K" in page
+    assert "### The embedded small model" in page and "on Countdown" in page and "on arithmetic" in page
     assert "CoPES beats ES (K = 4 − K = 1)" in page and "GRPO at 131072 tokens" in page
     stamps = [cell.stat().st_mtime_ns for cell in cells]
     again = _run(tmp_path)  # every cell is saved: nothing trains again
