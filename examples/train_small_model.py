@@ -27,8 +27,16 @@ import time
 from pathlib import Path
 
 import torch
-from train_tiny_agent_model import MAX_POSITIONS, Transcript, batch_tensors, build_tokenizer, encode, save
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from train_tiny_agent_model import (
+    Transcript,
+    add_shape_arguments,
+    batch_tensors,
+    build_model,
+    build_tokenizer,
+    encode,
+    save,
+)
+from transformers import GenerationConfig, Qwen3ForCausalLM
 
 from copes.rollout import AgentConfig
 from copes.rollout.templates import render_prompt_in_format
@@ -73,11 +81,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--vocab-size", type=int, default=160, help="BPE vocabulary before the fixed-text tokens")
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--intermediate-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=32, help="vLLM's CPU attention needs head_dim >= 32")
+    add_shape_arguments(parser, hidden_size=128, intermediate_size=512, num_layers=8, num_heads=4)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup-steps", type=int, default=100)
@@ -104,13 +108,7 @@ def main() -> None:
           f"{sum(len(ids) for ids, _ in rows) / len(rows):.0f}, max {max(len(ids) for ids, _ in rows)} "
           f"({time.perf_counter() - started:.0f}s)", flush=True)
 
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads, num_key_value_heads=args.num_heads,
-        head_dim=args.head_dim, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )
-    model = Qwen3ForCausalLM(config)
+    model = build_model(tokenizer, args)
     model.generation_config = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
                                                eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)

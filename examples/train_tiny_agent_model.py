@@ -121,6 +121,27 @@ def batch_tensors(rows: list[tuple[list[int], list[int]]], pad: int) -> dict[str
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser, *, hidden_size: int, intermediate_size: int,
+                        num_layers: int, num_heads: int) -> None:
+    """The Qwen3 shape options of the scripts that train on this tokenizer (this one and train_small_model.py)."""
+    parser.add_argument("--hidden-size", type=int, default=hidden_size)
+    parser.add_argument("--intermediate-size", type=int, default=intermediate_size)
+    parser.add_argument("--num-layers", type=int, default=num_layers)
+    parser.add_argument("--num-heads", type=int, default=num_heads)
+    parser.add_argument("--head-dim", type=int, default=32, help="vLLM's CPU attention needs head_dim >= 32")
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -> Qwen3ForCausalLM:
+    """A fresh Qwen3 of the shape options' size, tied embeddings, the tokenizer's pad and EOS."""
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads, num_key_value_heads=args.num_heads,
+        head_dim=args.head_dim, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+    return Qwen3ForCausalLM(config)
+
+
 def save(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, summary: dict) -> None:
     """The model, its tokenizer (loadable under transformers 4 and 5) and training_summary.json in `out`."""
     model.save_pretrained(out, safe_serialization=True)
@@ -139,11 +160,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--intermediate-size", type=int, default=128)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=32, help="vLLM's CPU attention needs head_dim >= 32")
+    add_shape_arguments(parser, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=2)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=100)
@@ -188,13 +205,7 @@ def main() -> None:
     print(f"{len(rows):,} transcripts, vocab {len(tokenizer)}, tokens per transcript: mean "
           f"{sum(len(ids) for ids, _ in rows) / len(rows):.0f}, max {longest} ({time.perf_counter() - started:.0f}s)")
 
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads, num_key_value_heads=args.num_heads,
-        head_dim=args.head_dim, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )
-    model = Qwen3ForCausalLM(config)
+    model = build_model(tokenizer, args)
     model.generation_config = GenerationConfig(do_sample=False, max_new_tokens=48,
                                                eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
