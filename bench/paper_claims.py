@@ -13,7 +13,7 @@ as the mean paired difference ± 95% CI with a paired t-test's p-value.
 Memory against context comes from bench/memory_context.py's CSV (the page quotes it) and the plan's GRPO column from
 `copes-run --plan`.
 
-    python bench/paper_claims.py --quick            # every cell at a tiny size (minutes), the page from it
+    python bench/paper_claims.py --quick            # every cell at a tiny size (minutes), its page in the cells' folder
     nice -n 15 python bench/paper_claims.py         # every table (resumes from bench/results/paper_claims/)
     nice -n 15 python bench/paper_claims.py --tables small-countdown   # one table
 """
@@ -21,18 +21,20 @@ Memory against context comes from bench/memory_context.py's CSV (the page quotes
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vs_grpo import GRPO, Job, run_job
 
-from common.harness import RESULTS_DIR
+from common.harness import RESULTS_DIR, worker_pool
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "paper-claims.md"
@@ -134,6 +136,20 @@ def run_cell(settings: Settings, table: str, budget: str, config: str, seed: int
     return result
 
 
+def _run_packed(settings: Settings, cell: tuple[str, str, str, int]) -> dict[str, Any]:
+    return run_cell(settings, *cell)
+
+
+def run_cells(settings: Settings, todo: Sequence[tuple[str, str, str, int]], workers: int) -> Iterator[dict[str, Any]]:
+    """Each cell's result in `todo`'s order, `workers` cells at a time (each run pins itself to one thread, so they
+    share the machine's cores without contending for them)."""
+    if workers == 1 or len(todo) < 2:
+        yield from (run_cell(settings, *cell) for cell in todo)
+        return
+    with worker_pool(min(workers, len(todo))) as pool:
+        yield from pool.imap(functools.partial(_run_packed, settings), todo, chunksize=1)
+
+
 def interval(values: Sequence[float]) -> tuple[float, float]:
     """Mean and the half-width of its 95% t interval."""
     from scipy import stats
@@ -210,25 +226,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--budgets", nargs="+", choices=BUDGETS, default=list(BUDGETS))
     parser.add_argument("--results", type=Path,
                         help="the cells' folder, one subfolder per table (default bench/results/paper_claims[_quick])")
-    parser.add_argument("--page", type=Path, default=PAGE, help="the page to write")
+    parser.add_argument("--page", type=Path, help="the page to write, its plot beside it (default "
+                        "docs/paper-claims.md; with --quick, paper-claims.md in the cells' folder)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="equal-evaluation cells run at once, each in its own process on one core (default: "
+                        "every core); equal wall clock cells run one at a time")
     parser.add_argument("--write-only", action="store_true",
                         help="write the page from the cells already saved, running none (a table stopped midway)")
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
     base = QUICK if args.quick else FULL
     chosen = {name: getattr(args, name) for name in ("seeds", "steps", "budget_s", "eval_size")}
     settings = Settings(**{**base, **{k: v for k, v in chosen.items() if v is not None}},
                         results=args.results or RESULTS_DIR / ("paper_claims_quick" if args.quick else "paper_claims"))
-    for table in [] if args.write_only else args.tables:
-        for seed in range(settings.seeds):  # seed-major: a stopped table has every configuration at its first seeds
-            for budget, config in cells(args.budgets, args.configs):
-                result = run_cell(settings, table, budget, config, seed)
-                print(f"{table} | {budget} | {config} | seed {seed}: {result['gain_points']:+.2f} points "
-                      f"({result['steps']} steps)", flush=True)
+    # Seed-major: a stopped table has every configuration at its first seeds. Equal evaluations do not depend on
+    # speed, so those cells run `--workers` at a time; equal wall clock does, so each of those runs alone (two at once
+    # on the 2-core machine cut a run's steps per CPU second by about a third: GRPO 22 steps in 60 s against 32-33).
+    todo = [(table, budget, config, seed) for table in ([] if args.write_only else args.tables)
+            for seed in range(settings.seeds) for budget, config in cells(args.budgets, args.configs)]
+    for budget, workers in (("equal evaluations", args.workers), ("equal wall clock", 1)):
+        batch = [cell for cell in todo if cell[1] == budget]
+        for (table, _, config, seed), result in zip(batch, run_cells(settings, batch, workers)):
+            print(f"{table} | {budget} | {config} | seed {seed}: {result['gain_points']:+.2f} points "
+                  f"({result['steps']} steps)", flush=True)
     # The page shows every table's saved cells, whichever tables this invocation ran.
-    saved = {table: saved_cells(settings, table) for table in TABLES}
-    args.page.write_text(render({table: results for table, results in saved.items() if results}, settings,
-                                quick=args.quick))
-    print(f"wrote {args.page}")
+    saved = {table: found for table in TABLES if (found := saved_cells(settings, table))}
+    page = args.page or (settings.results / "paper-claims.md" if args.quick else PAGE)
+    page.parent.mkdir(parents=True, exist_ok=True)
+    if saved:
+        plot(saved, page.with_suffix(".png"))
+    page.write_text(render(saved, settings, quick=args.quick, plot_name=page.with_suffix(".png").name))
+    print(f"wrote {page} and its plot")
 
 
 def saved_cells(settings: Settings, table: str) -> list[dict[str, Any]]:
@@ -410,7 +439,41 @@ def planned_lines() -> list[str]:
     return lines
 
 
-def render(results: dict[str, list[dict[str, Any]]], settings: Settings, *, quick: bool) -> str:
+def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Each table's configurations at each budget: every seed's gain as a dot, the mean ± 95% CI as a bar (GRPO's
+    race is left to its own table: its gain is several times the ES gains and would flatten them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(CONFIGS)
+    figure, axes = plt.subplots(len(results), len(BUDGETS), figsize=(12, 3.2 * len(results)), dpi=100,
+                                squeeze=False, sharey=True)
+    for row, (table, cells) in enumerate(results.items()):
+        for column, budget in enumerate(BUDGETS):
+            axis = axes[row][column]
+            for y, config in enumerate(configs):
+                gains = [r["gain_points"] for r in cells if r["budget"] == budget and r["config"] == config]
+                if not gains:
+                    continue
+                mean, half = interval(gains)
+                color = "tab:red" if config == "K = 4" else "tab:blue"
+                axis.errorbar(mean, y, xerr=0 if math.isnan(half) else half, fmt="o", color=color, capsize=3)
+                axis.scatter(gains, [y + 0.2] * len(gains), s=8, color="grey", alpha=0.6)
+            axis.axvline(0, color="black", linewidth=0.6)
+            axis.set_yticks(range(len(configs)), configs, fontsize=8)
+            axis.set_ylim(len(configs) - 0.5, -0.5)  # the first configuration on top (set, not inverted: y is shared)
+            axis.set_xlabel("held-out gain (points): mean ± 95% CI, seeds as dots", fontsize=8)
+            axis.set_title(f"{table}, {budget}", fontsize=9)
+            axis.grid(axis="x", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def render(results: dict[str, list[dict[str, Any]]], settings: Settings, *, quick: bool,
+           plot_name: str = "paper-claims.png") -> str:
     """The page from each table's saved cells (`results`: table name -> cells, tables without cells left out)."""
     about = {table: TABLES[table].about for table in results}
     about = {table: text.replace("SMALLPARAMS", small_parameters()) if "SMALLPARAMS" in text else text
@@ -427,7 +490,7 @@ def render(results: dict[str, list[dict[str, Any]]], settings: Settings, *, quic
              *(QUICK_WARNING if quick else []), *NOTES, "", "## The claims", ""]
     for table, cells in results.items():
         lines += [f"### {about[table]}", "", *claim_rows(cells), ""]
-    lines += ["## The ablation tables", ""]
+    lines += ["## The ablation tables", "", f"![each configuration's gain, table by table]({plot_name})", ""]
     for table, cells in results.items():
         lines += [f"### {about[table]}", "", *tables(cells, settings)]
     lines += ["## Beside GRPO at equal wall clock (bench/vs_grpo.py's race)", ""]

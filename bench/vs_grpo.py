@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.harness import RESULTS_DIR, machine_note, pin_one_thread, report, write_csv
+from common.harness import RESULTS_DIR, machine_note, pin_one_thread, report, worker_pool, write_csv
 from common.memory_probe import PeakMemory
 from common.models import train_config
 
@@ -212,6 +212,7 @@ def run_job(job: Job) -> Curve:
     from copes.run.trainer import Trainer
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # a bar per loaded model, from every worker, is noise in a log
     with tempfile.TemporaryDirectory(prefix="copes-vs-grpo-") as output_dir:
         trainer = Trainer(job_config(job, output_dir), progress=False)
         curve, clock = Curve(job.method, job.seed, job.lr), TrainingClock(job.budget_s, job.evaluations)
@@ -223,7 +224,7 @@ def run_job(job: Job) -> Curve:
 def run_jobs(jobs: Sequence[Job], workers: int) -> list[Curve]:
     if workers == 1:
         return [run_job(job) for job in jobs]
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+    with worker_pool(workers) as pool:
         return pool.map(run_job, jobs, chunksize=1)
 
 

@@ -6,6 +6,8 @@ engine is compared against. Imports nothing from the scripts.
 from __future__ import annotations
 
 import csv
+import multiprocessing
+import multiprocessing.pool
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +24,21 @@ def pin_one_thread() -> None:
     """One torch thread: on a shared 2-core machine a second thread mostly waits for the other's core, and the
     hand-offs stall small ops (every benchmark here reports ratios measured under this same setting)."""
     torch.set_num_threads(1)
+
+
+def worker_pool(workers: int) -> multiprocessing.pool.Pool:
+    """A pool of fresh (spawned) processes for runs that each pin one thread: `workers` of them share the cores."""
+    return multiprocessing.get_context("spawn").Pool(workers, initializer=_thread_lock_for_tqdm)
+
+
+def _thread_lock_for_tqdm() -> None:
+    """A worker's progress bars lock within the worker: tqdm's default multiprocessing lock is a named semaphore
+    that the pool's shutdown reports as leaked."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def device_label() -> str:
