@@ -229,8 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--page", type=Path, help="the page to write, its plot beside it (default "
                         "docs/paper-claims.md; with --quick, paper-claims.md in the cells' folder)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="equal-evaluation cells run at once, each in its own process on one core (default: "
-                        "every core); equal wall clock cells run one at a time")
+                        help="cells run at once, each in its own process on one core (default: every core)")
     parser.add_argument("--write-only", action="store_true",
                         help="write the page from the cells already saved, running none (a table stopped midway)")
     args = parser.parse_args(argv)
@@ -240,16 +239,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     chosen = {name: getattr(args, name) for name in ("seeds", "steps", "budget_s", "eval_size")}
     settings = Settings(**{**base, **{k: v for k, v in chosen.items() if v is not None}},
                         results=args.results or RESULTS_DIR / ("paper_claims_quick" if args.quick else "paper_claims"))
-    # Seed-major: a stopped table has every configuration at its first seeds. Equal evaluations do not depend on
-    # speed, so those cells run `--workers` at a time; equal wall clock does, so each of those runs alone (two at once
-    # on the 2-core machine cut a run's steps per CPU second by about a third: GRPO 22 steps in 60 s against 32-33).
+    # Seed-major: a stopped table has every configuration at its first seeds. Each run pins one thread; two at once
+    # on the 2 cores cost each 5-10% of its steps per CPU second (Countdown, GRPO: 3.0 s a step alone, 3.1-3.2 s
+    # beside another run), a seed's cells all run alike, so the equal wall clock cells share the cores too.
     todo = [(table, budget, config, seed) for table in ([] if args.write_only else args.tables)
             for seed in range(settings.seeds) for budget, config in cells(args.budgets, args.configs)]
-    for budget, workers in (("equal evaluations", args.workers), ("equal wall clock", 1)):
-        batch = [cell for cell in todo if cell[1] == budget]
-        for (table, _, config, seed), result in zip(batch, run_cells(settings, batch, workers)):
-            print(f"{table} | {budget} | {config} | seed {seed}: {result['gain_points']:+.2f} points "
-                  f"({result['steps']} steps)", flush=True)
+    for (table, budget, config, seed), result in zip(todo, run_cells(settings, todo, args.workers)):
+        print(f"{table} | {budget} | {config} | seed {seed}: {result['gain_points']:+.2f} points "
+              f"({result['steps']} steps)", flush=True)
     # The page shows every table's saved cells, whichever tables this invocation ran.
     saved = {table: found for table in TABLES if (found := saved_cells(settings, table))}
     page = args.page or (settings.results / "paper-claims.md" if args.quick else PAGE)
@@ -522,6 +519,14 @@ NOTES = [
     "at a tiny size to check the machinery, and its numbers mean nothing). Gains are in percentage points of "
     "held-out accuracy; an interval is a 95% t interval over seeds, a comparison is the mean paired difference "
     "(same seed: same prompts, noise and partitions) with its 95% interval and a paired t-test.",
+    "",
+    "How the cells ran: one process and one core each, two at a time from the Countdown table's seed 3 on (the "
+    "slow test checks that two workers' equal-evaluation cells equal one process's). A wall-clock budget counts CPU "
+    "seconds, so the machine's speed sets how many steps fit: the Countdown table's seeds 0-1 ran on 3 December on a "
+    "machine of the same kind that fit 5 ES steps (GRPO 32-33) in 60 CPU seconds, seed 2 on a slower one alone (4 "
+    "steps, GRPO 20), seeds 3-4 on that one two at a time (3-4 steps, GRPO 19-20). Comparisons pair the runs of a "
+    "seed, which ran alike. With 3-6 ES steps, the Countdown "
+    "wall-clock column says little; its equal-evaluations column (12 steps) is the one to read.",
 ]
 MEMORY_EXPLAINED = [
     "Why the points fall where they do:",
