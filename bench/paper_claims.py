@@ -141,8 +141,7 @@ def _run_packed(settings: Settings, cell: tuple[str, str, str, int]) -> dict[str
 
 
 def run_cells(settings: Settings, todo: Sequence[tuple[str, str, str, int]], workers: int) -> Iterator[dict[str, Any]]:
-    """Each cell's result in `todo`'s order, `workers` cells at a time (each run pins itself to one thread, so they
-    share the machine's cores without contending for them)."""
+    """Each cell's result in `todo`'s order, `workers` cells at a time, each run pinned to one thread."""
     if workers == 1 or len(todo) < 2:
         yield from (run_cell(settings, *cell) for cell in todo)
         return
@@ -239,9 +238,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     chosen = {name: getattr(args, name) for name in ("seeds", "steps", "budget_s", "eval_size")}
     settings = Settings(**{**base, **{k: v for k, v in chosen.items() if v is not None}},
                         results=args.results or RESULTS_DIR / ("paper_claims_quick" if args.quick else "paper_claims"))
-    # Seed-major: a stopped table has every configuration at its first seeds. Each run pins one thread; two at once
-    # on the 2 cores cost each 5-10% of its steps per CPU second (Countdown, GRPO: 3.0 s a step alone, 3.1-3.2 s
-    # beside another run), a seed's cells all run alike, so the equal wall clock cells share the cores too.
+    # Seed-major: a stopped table has every configuration at its first seeds. The equal wall clock cells share the
+    # cores too: two runs at once cost each 5-10% of its steps per CPU second (Countdown, GRPO: 3.0 s a step alone,
+    # 3.1-3.2 s beside another run), the same for every configuration of a seed, so the paired comparisons hold.
     todo = [(table, budget, config, seed) for table in ([] if args.write_only else args.tables)
             for seed in range(settings.seeds) for budget, config in cells(args.budgets, args.configs)]
     for (table, budget, config, seed), result in zip(todo, run_cells(settings, todo, args.workers)):
@@ -525,8 +524,8 @@ NOTES = [
     "seconds, so the machine's speed sets how many steps fit: the Countdown table's seeds 0-1 ran on 3 December on a "
     "machine of the same kind that fit 5 ES steps (GRPO 32-33) in 60 CPU seconds, seed 2 on a slower one alone (4 "
     "steps, GRPO 20), seeds 3-4 on that one two at a time (3-4 steps, GRPO 19-20). Comparisons pair the runs of a "
-    "seed, which ran alike. With 3-6 ES steps, the Countdown "
-    "wall-clock column says little; its equal-evaluations column (12 steps) is the one to read.",
+    "seed, which ran alike. With 3-6 ES steps, the Countdown wall-clock column says little; its equal-evaluations "
+    "column (12 steps) is the one to read.",
 ]
 MEMORY_EXPLAINED = [
     "Why the points fall where they do:",
