@@ -102,8 +102,8 @@ def run_measured(command: list[str], *, env: dict[str, str], log: Path, kill_whe
 
 
 def planned_gib(settings: dict[str, Any], model: Path, ram_gib: float) -> float:
-    from copes.run.config import build_config
-    from copes.run.plan import plan_for
+    from copes.config.options import build_config
+    from copes.plan.memory import plan_for
 
     plan = plan_for(build_config({**settings, "model": str(model), "device_memory_gib": ram_gib}))
     return round(plan.peak_bytes() / GiB, 3)
@@ -112,8 +112,8 @@ def planned_gib(settings: dict[str, Any], model: Path, ram_gib: float) -> float:
 def replay_planned_gib(settings: dict[str, Any], model: Path, ram_gib: float) -> float:
     """copes-replay's peak from the run's plan: it holds the weights, the training state and the update's
     transients, never the restore backup or a rollout."""
-    from copes.run.config import build_config
-    from copes.run.plan import plan_for
+    from copes.config.options import build_config
+    from copes.plan.memory import plan_for
 
     plan = plan_for(build_config({**settings, "model": str(model), "device_memory_gib": ram_gib}))
     held = sum(line.bytes for line in plan.fixed if line.what != "restore backup")
@@ -196,10 +196,10 @@ def members_phase(model_dir: Path, result: Path) -> None:
     """In its own process: base vs members' greedy tokens, and decode tokens/s against the floor."""
     import torch
 
+    from copes.config.components import build_strategy
+    from copes.config.options import build_config
     from copes.modeling import load_model
     from copes.rollout.hf_engine import HFEngine
-    from copes.run.components import build_strategy
-    from copes.run.config import build_config
 
     model, tokenizer, _ = load_model(str(model_dir), device="cpu", dtype="bfloat16")
     torch.set_num_threads(2)

@@ -52,7 +52,7 @@ def through_estrainer(data: list[dict[str, str]], out: Path, options: argparse.N
     from datasets import Dataset
 
     from copes import ESConfig, ESTrainer
-    from copes.run.es_config import GRPO_NAMES
+    from copes.trl.config import GRPO_NAMES
 
     es_fields = {GRPO_NAMES.get(name, name): value for name, value in settings(options).items()}
     trainer = ESTrainer(model="tiny", reward_funcs=[REWARD], args=ESConfig(output_dir=str(out), **es_fields),

@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import save_file
 
 import copes
+from copes.config.options import build_config
 from copes.run import checkpoint as ckpt
-from copes.run.config import build_config
 from copes.run.journal import JournalContents, JournalWriter, RunJournal, build_header, journal_path, read_journal
 from copes.run.replay import replay_run, replay_steps
 from copes.run.trainer import Trainer

@@ -35,8 +35,8 @@ KINDS = ("GRPO update, checkpointing", "GRPO update, no checkpointing", "ES memb
 
 def plan_terms(name: str, context: int, kind: str) -> list[tuple[str, int]]:
     """The plan's terms of one point (config only, instant), in bytes: what its planned peak adds up."""
-    from copes.run.plan import RolloutShape, _rollout_lines, model_shape
-    from copes.run.plan_grpo import grpo_columns
+    from copes.plan.grpo import grpo_columns
+    from copes.plan.memory import RolloutShape, _rollout_lines, model_shape
 
     from common import grpo_memory
 

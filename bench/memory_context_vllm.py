@@ -70,8 +70,8 @@ def point(name: str, context: int, folder: Path) -> dict[str, object]:
 
 
 def planned(name: str, context: int, folder: Path) -> dict[str, float]:
-    from copes.run.config import build_config
-    from copes.run.plan import kv_bytes_per_token, plan_for
+    from copes.config.options import build_config
+    from copes.plan.memory import kv_bytes_per_token, plan_for
 
     cfg = build_config({"model": str(folder), "task": "gsm8k", "device": "cpu", "dtype": "bfloat16", "tools": False,
                         "rollout_engine": "vllm", "vllm_cpu_weights": "plain", "vllm_kv_cache_gib": KV_CACHE_GIB,

@@ -422,9 +422,9 @@ def _tokens(count: int) -> str:
 def planned_lines() -> list[str]:
     """The GRPO line of `copes-run --plan --model tests/fixtures/qwen3.5-4b --task gsm8k --device cuda --no-tools
     --max-new-tokens C-512 --max-context-tokens C` at C = 8K, 32K, 128K."""
-    from copes.run.config import build_config
-    from copes.run.plan import plan_for
-    from copes.run.plan_grpo import grpo_plan
+    from copes.config.options import build_config
+    from copes.plan.grpo import grpo_plan
+    from copes.plan.memory import plan_for
 
     lines = []
     for context in (8192, 32768, 131072):

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 import copes
+from copes.config.components import batch_indices
 from copes.es.strategies import StepStats
-from copes.run.components import batch_indices
 from copes.run.trainer import Trainer
 
 from common.harness import machine_note, pin_one_thread, report

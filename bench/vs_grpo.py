@@ -401,7 +401,7 @@ def _override(text: str) -> tuple[str, Any]:
     """KEY=VALUE with a YAML value (population=128, fitness=joint), as copes-run's mapping options read them."""
     import yaml
 
-    from copes.run.config import FIELD_NAMES
+    from copes.config.options import FIELD_NAMES
 
     key, sep, value = text.partition("=")
     if not sep or key not in FIELD_NAMES:

@@ -22,27 +22,27 @@ _EXPORTS = {
     "CoPES": "copes.es.strategies",
     "CoPESLowRank": "copes.es.strategies",
     "EGGROLL": "copes.es.strategies",
-    "ESConfig": "copes.run.es_config",
-    "ESTrainer": "copes.run.es_trainer",
+    "ESConfig": "copes.trl.config",
+    "ESTrainer": "copes.trl.trainer",
     "ParameterSpace": "copes.es.params",
     "StepPlan": "copes.es.strategies",
     "StepStats": "copes.es.strategies",
     "Strategy": "copes.es.strategies",
-    "TrainConfig": "copes.run.config",
+    "TrainConfig": "copes.config.options",
     "Trainer": "copes.run.trainer",
     "UserError": "copes.errors",
-    "build_config": "copes.run.config",
+    "build_config": "copes.config.options",
     "train": "copes.run.trainer",
 }
 
 if TYPE_CHECKING:
+    from copes.config.options import TrainConfig, build_config
     from copes.errors import UserError
     from copes.es.params import ParameterSpace
     from copes.es.strategies import EGGROLL, CoPES, CoPESLowRank, StepPlan, StepStats, Strategy
-    from copes.run.config import TrainConfig, build_config
-    from copes.run.es_config import ESConfig
-    from copes.run.es_trainer import ESTrainer
     from copes.run.trainer import Trainer, train
+    from copes.trl.config import ESConfig
+    from copes.trl.trainer import ESTrainer
 
 
 def __getattr__(name: str) -> Any:

@@ -18,8 +18,8 @@ from typing import Any
 import click
 import yaml
 
+from copes.config.options import FIELD_NAMES, ConfigError, TrainConfig, build_config, config_with_preset, read_yaml
 from copes.errors import UserError
-from copes.run.config import FIELD_NAMES, ConfigError, TrainConfig, build_config, config_with_preset, read_yaml
 
 USER_ERROR_STATUS = 2
 COMMAND_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
@@ -148,8 +148,8 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     else:
         cfg = _config(config_file, flags)
     if cfg.plan:  # config.json only: works on any machine, for any --device
-        from copes.run.plan import plan_for
-        from copes.run.plan_grpo import grpo_plan
+        from copes.plan.grpo import grpo_plan
+        from copes.plan.memory import plan_for
 
         plan = plan_for(cfg)
         click.echo(plan.table())
@@ -215,12 +215,12 @@ def eval_command(model: str, tasks: tuple[str, ...], split: str, limit: int | No
                  vllm_cpu_weights: str, data_dir: str | None, task_options: dict[str, Any] | None,
                  reward: tuple[str, ...], output: str | None, seed: int) -> None:
     """Evaluate a model: greedy accuracy, or pass@k with the unbiased estimator over several samples."""
+    from copes.config.components import build_tools
     from copes.rollout import AgentConfig
     from copes.rollout.engine import load_rollout_model
-    from copes.run.components import build_tools
     from copes.run.evaluation import evaluate, format_table
-    from copes.run.metrics import PhaseTimer
     from copes.tasks.plugins import build_task
+    from copes.timing import PhaseTimer
 
     if samples < 1 or any(k < 1 or k > samples for k in ks):
         raise ConfigError(f"every --k must be between 1 and --samples ({samples}), got {list(ks)}")

@@ -182,7 +182,7 @@ def main() -> None:
     python_tool = PythonTool(PythonSandbox())
     search = SearchTool(BM25Search(corpus_path))
     observation = functools.cache(lambda query: search.call({"query": query}))  # ~4 questions per person
-    # The tools each task gets in a copes-run (copes.run.components.build_tools): Python always, search where the
+    # The tools each task gets in a copes-run (copes.config.components.build_tools): Python always, search where the
     # task has a corpus. A transcript's prompt lists exactly those, as the agent loop renders it.
     tools = {arithmetic.name: [python_tool], lookup.name: [python_tool, search]}
 

@@ -1,6 +1,6 @@
 """Measured memory of one GRPO update and one ES member, every allocation counted (tests/helpers/live_bytes.py's
 dispatch mode, independent of the allocator), on the Qwen3.5-4B (hybrid) and Qwen3-4B (full attention) fixtures'
-architectures at reduced width. tests/run/test_plan_grpo.py checks the plan's GRPO column against these peaks and
+architectures at reduced width. tests/plan/test_plan_grpo.py checks the plan's GRPO column against these peaks and
 bench/memory_context.py sweeps them over context.
 
 One GRPO update, as a careful user runs it (TRL's GRPOTrainer, one micro-batch):

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+from copes.config.options import TrainConfig, build_config, read_yaml
 from copes.modeling import read_preset
-from copes.run.config import TrainConfig, build_config, read_yaml
 
 from .harness import DEVICE
 

@@ -414,8 +414,8 @@ def rollout(sizes: Sizes) -> dict[str, Any]:
     so the 24 GB claim is measured the first time a device is lent. The dry run: the reduced width, RSS beside the
     plan."""
     import copes
-    from copes.run.config import build_config
-    from copes.run.plan import plan_for, plan_json
+    from copes.config.options import build_config
+    from copes.plan.memory import plan_for, plan_json
 
     from common.rehearsal_model import REDUCED_TEXT, build_rehearsal_model
 

@@ -160,7 +160,7 @@ class Trajectory:
 
 def _call_tool(tool: Tool, arguments: dict[str, Any], row: int) -> str:
     try:
-        # A tool bound to per-row state (an environment instance per rollout, copes.run.trl_task) is told the row.
+        # A tool bound to per-row state (an environment instance per rollout, copes.trl.task) is told the row.
         return tool.call_in_row(row, arguments) if hasattr(tool, "call_in_row") else tool.call(arguments)
     # A failing tool must cost one observation, not the whole population's rollout.
     except Exception as error:  # noqa: BLE001

@@ -1,4 +1,4 @@
-"""The durable run: `config` (TrainConfig, every option), `components` (config -> task, strategy, tools), the step
-loop (`trainer`), its record (`journal`, `replay`, `checkpoint`, `samples`, `metrics`), scoring and held-out
-evaluation, and `distributed` (population sharding across ranks). It drives `copes.es` and the rollout side
-(`copes.rollout`, `copes.tasks`, `copes.rewards`, `copes.tools`); nothing below imports it."""
+"""The durable run: the step loop (`trainer`), scoring and held-out evaluation, the budget, ranks (`distributed`),
+and the run's record (`record`, `journal`, `replay`, `checkpoint`, `samples`, `metrics`). It is built from a
+config (`copes.config`), checks the memory plan (`copes.plan`) and drives `copes.es` and the rollout side; only
+the TRL face and the command line import it."""

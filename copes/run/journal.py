@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
+from copes.config.options import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, absolute_paths, build_config
 from copes.es.selection import tensor_id_for
 from copes.es.strategies.base import Strategy
 from copes.failpoints import failpoint
-from copes.run.config import FIELD_NAMES, RESUME_KEYS, ConfigError, TrainConfig, absolute_paths, build_config
 from copes.tasks.plugins import changed_source, user_sources
 from copes.user_code import sha256_of
 

@@ -1,4 +1,4 @@
-"""Where a run reports: metrics.jsonl, the curve PNG, phase timers, peak memory, progress and the warnings a
+"""Where a run reports: metrics.jsonl, the curve PNG, peak memory, progress and the warnings a
 step's numbers call for.
 
 Progress bars draw only on a terminal; in a log file (stderr not a TTY) the outer loop prints a plain line every
@@ -10,11 +10,8 @@ import json
 import os
 import resource
 import sys
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,46 +20,6 @@ import torch
 from copes.errors import UserError
 
 PLAIN_PROGRESS_EVERY_S = 30.0
-
-class PhaseTimer:
-    """Accumulates wall seconds per phase; `with timer("generate"): ...`."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self._inside: dict[str, int] = defaultdict(int)  # threads inside each `overlapping` phase
-        self._since: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - start
-
-    @contextmanager
-    def overlapping(self, phase: str) -> Iterator[None]:
-        """A phase that runs on several threads at once (the rows' tool calls): adds the wall time during which at
-        least one thread was inside, never the sum over threads, so it can be subtracted from the phase around it."""
-        with self._lock:
-            if self._inside[phase] == 0:
-                self._since[phase] = time.perf_counter()
-            self._inside[phase] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._inside[phase] -= 1
-                if self._inside[phase] == 0:
-                    self.seconds[phase] += time.perf_counter() - self._since.pop(phase)
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] += seconds
-
-    def snapshot(self) -> dict[str, float]:
-        return {phase: round(value, 4) for phase, value in sorted(self.seconds.items())}
-
 
 def peak_memory_bytes(device: torch.device) -> dict[str, int]:
     """Peak resident host memory of this process and, on CUDA, peak allocated device memory."""

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from copes.config.options import DEFAULT_OUTPUT_DIR, TrainConfig
 from copes.errors import ConfigError
 from copes.es.strategies.base import Strategy
 from copes.run import checkpoint as ckpt
-from copes.run.config import DEFAULT_OUTPUT_DIR, TrainConfig
 from copes.run.journal import JOURNAL_NAME, JournalWriter, RunJournal, build_header, journal_path
 from copes.run.metrics import MetricsLog, log_table, plot_curves, start_wandb
 from copes.run.replay import resume_run

@@ -20,10 +20,10 @@ import torch
 from tqdm.auto import tqdm
 
 from copes.choices import PER_MEMBER_ALGORITHMS
+from copes.config.options import ConfigError, TrainConfig
 from copes.es.strategies.base import Strategy
 from copes.rollout.vllm.views import stored_tensors
 from copes.run import checkpoint as ckpt
-from copes.run.config import ConfigError, TrainConfig
 from copes.run.journal import (
     JournalContents,
     JournalWriter,
@@ -132,9 +132,9 @@ def replay_run(run_dir: str | Path, output: str | Path, *, step: int | None = No
                progress: bool = True) -> tuple[int, float]:
     """Rebuild the weights of `step` (default: the last) from the base model and the journal alone and write a
     save_pretrained folder; returns (steps replayed, seconds)."""
+    from copes.config.components import build_strategy
+    from copes.config.options import FIELD_NAMES, build_config
     from copes.modeling import load_model
-    from copes.run.components import build_strategy
-    from copes.run.config import FIELD_NAMES, build_config
 
     run_dir = Path(run_dir)
     contents = read_journal(run_dir)

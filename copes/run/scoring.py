@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from copes.rollout import AgentConfig, Trajectory, run_agent
-from copes.run.metrics import PhaseTimer
 from copes.tasks import Example, Score, Task
+from copes.timing import PhaseTimer
 
 
 def score_rollouts(task: Task, examples: Sequence[Example], trajectories: Sequence[Trajectory]) -> list[Score]:

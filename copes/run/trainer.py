@@ -1,6 +1,6 @@
 """The step loop: prompt batch -> score every member (perturb / roll out / restore, or one batched EGGROLL
 forward) -> fitness -> one update; held-out evaluations, checkpoints, metrics. What to build comes from
-`copes.run.components`, what the run leaves behind is `copes.run.record.RunRecord`; the loop (`Trainer.train`)
+`copes.config.components`, what the run leaves behind is `copes.run.record.RunRecord`; the loop (`Trainer.train`)
 fits on one screen.
 """
 
@@ -17,14 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from copes.errors import ConfigError, UserError
-from copes.es.strategies.base import WHOLE_POPULATION, StepStats
-from copes.failpoints import failpoint
-from copes.modeling import release_free_heap, resolve_model_path
-from copes.rewards.functions import RewardSet, RewardStepStats
-from copes.rollout.engine import engine_for, load_rollout_model
-from copes.run.budget import Budget, BudgetSpent
-from copes.run.components import (
+from copes.config.components import (
     GivenParts,
     batch_indices,
     build_agent,
@@ -37,7 +30,15 @@ from copes.run.components import (
     tools_on,
     warn_at_start,
 )
-from copes.run.config import TrainConfig, build_config, config_with_preset
+from copes.config.options import TrainConfig, build_config, config_with_preset
+from copes.errors import ConfigError, UserError
+from copes.es.strategies.base import WHOLE_POPULATION, StepStats
+from copes.failpoints import failpoint
+from copes.modeling import release_free_heap, resolve_model_path
+from copes.plan.memory import check_plan
+from copes.rewards.functions import RewardSet, RewardStepStats
+from copes.rollout.engine import engine_for, load_rollout_model
+from copes.run.budget import Budget, BudgetSpent
 from copes.run.distributed import (
     barrier,
     broadcast_value,
@@ -48,13 +49,13 @@ from copes.run.distributed import (
     members_for_rank,
 )
 from copes.run.evaluation import evaluate, merge_results
-from copes.run.metrics import PhaseTimer, import_wandb, peak_memory_bytes, progress_bar, zero_update_warning
-from copes.run.plan import check_plan
+from copes.run.metrics import import_wandb, peak_memory_bytes, progress_bar, zero_update_warning
 from copes.run.record import RunRecord, claim_output_dir
 from copes.run.replay import replay_member, replays_members
 from copes.run.scoring import MemberScoring, roll_out, rollouts
 from copes.tasks import Example
 from copes.tasks.loading import recording_data_files
+from copes.timing import PhaseTimer
 
 
 def reward_set_of(task: Any) -> RewardSet | None:

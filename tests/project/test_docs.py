@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from copes.run.config import TrainConfig
+from copes.config.options import TrainConfig
 
 from helpers.paths import REPO
 

@@ -18,10 +18,13 @@ from helpers.paths import REPO
 LAYERS = (
     ("kernels", ("copes_kernels",)),
     ("foundation", ("copes.errors", "copes.choices", "copes.failpoints", "copes.extras", "copes.modeling",
-                    "copes.text", "copes.user_code")),
+                    "copes.text", "copes.timing", "copes.user_code")),
     ("es core", ("copes.es",)),
     ("rollout side", ("copes.rewards", "copes.tools", "copes.tasks", "copes.rollout")),
+    ("config", ("copes.config",)),
+    ("memory plan", ("copes.plan",)),
     ("durable run", ("copes.run",)),
+    ("TRL face", ("copes.trl",)),
     ("command line", ("copes.cli",)),
     # `copes` itself, the package face: its public names (Trainer, train, CoPES...) load lazily from the rooms
     # below, so a module that imports it reaches up to the durable run. It is matched by its exact name only.
@@ -188,3 +191,18 @@ def test_no_import_circle() -> None:
     for module in sorted(graph):
         if module not in state:
             visit(module)
+
+
+MAX_MODULES_PER_FOLDER = 12  # a room a reader takes in at a glance; past that it is a hall of several trades
+
+
+def test_no_folder_holds_more_modules_than_a_reader_takes_in() -> None:
+    """Each package folder holds at most MAX_MODULES_PER_FOLDER modules besides its `__init__` (copes/run/ held
+    18 of four trades before the rooms were split by trade)."""
+    counts: dict[str, int] = {}
+    for module, path in MODULES.items():
+        if path.name != "__init__.py":
+            folder = str(path.parent.relative_to(REPO))
+            counts[folder] = counts.get(folder, 0) + 1
+    crowded = {folder: count for folder, count in counts.items() if count > MAX_MODULES_PER_FOLDER}
+    assert not crowded, f"folders holding more than {MAX_MODULES_PER_FOLDER} modules: {crowded}"

@@ -86,8 +86,8 @@ def test_training_clock_counts_this_processs_cpu_seconds_and_keeps_wall_seconds_
 
 
 def test_each_method_runs_its_own_preset_under_the_screening_overrides(tmp_path):
+    from copes.config.options import read_yaml
     from copes.modeling import EMBEDDED_MODEL_DIR
-    from copes.run.config import read_yaml
 
     eggroll_preset = read_yaml(EMBEDDED_MODEL_DIR / "copes.eggroll.yaml")
     eggroll = vs_grpo.job_config(vs_grpo.Job("EGGROLL", 2, None, 1.0, 1, 8), str(tmp_path))

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
+from copes.config.components import task_corpus
 from copes.rollout.agent import AgentConfig, Trajectory, run_agent
 from copes.rollout.engine import attach_engine
 from copes.rollout.generate import generate_batch, prompt_token_counts
 from copes.rollout.templates import render_prompt, tool_results_suffix
-from copes.run.components import task_corpus
 from copes.tasks import get_task
 from copes.tools import BM25Search, PythonTool, SearchTool
 

@@ -20,10 +20,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from transformers import AutoTokenizer
 
+from copes.config.components import task_corpus
 from copes.rollout.agent import AgentConfig, run_agent
 from copes.rollout.generate import generate_batch, prompt_token_counts
 from copes.rollout.templates import observation_text, parse_tool_calls
-from copes.run.components import task_corpus
 from copes.tasks import get_task
 from copes.text import valid_unicode
 from copes.tools import BM25Search, HttpRetriever, PythonTool, SearchError, SearchTool

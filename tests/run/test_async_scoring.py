@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from copes.config.options import build_config
 from copes.rollout import Trajectory
-from copes.run.config import build_config
 from copes.run.journal import journal_path
-from copes.run.metrics import PhaseTimer
 from copes.run.scoring import MemberScoring, score_rollouts
 from copes.tasks import get_task
+from copes.timing import PhaseTimer
 
 from helpers.cli_runs import assert_same_weights, copes_run, final_weights, metrics_without_time
 

@@ -10,7 +10,7 @@ import pytest
 
 import copes.run.budget
 import copes.run.evaluation
-from copes.run.config import build_config
+from copes.config.options import build_config
 from copes.run.trainer import Trainer
 
 from helpers.cli_runs import assert_same_weights, final_weights

@@ -167,7 +167,7 @@ def test_every_config_field_has_a_generated_flag_with_its_help_and_default():
     from click.testing import CliRunner
 
     from copes.cli import run_command
-    from copes.run.config import TrainConfig
+    from copes.config.options import TrainConfig
 
     help_text = " ".join(CliRunner().invoke(run_command, ["--help"], terminal_width=400).output.split())
     for option in dataclasses.fields(TrainConfig):

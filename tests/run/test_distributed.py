@@ -80,7 +80,7 @@ HELD_OUT = {"steps": 0, "population": 4, "subspaces": 2, "eval_size": 7, "max_ne
 def _held_out_rank(rank: int, world: int, port: int, out: str, results) -> None:
     """One rank of a real Trainer's held-out evaluation: which questions this rank rolled out, and the result."""
     import copes.run.trainer as trainer_module
-    from copes.run.config import build_config
+    from copes.config.options import build_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
@@ -100,7 +100,7 @@ def _held_out_rank(rank: int, world: int, port: int, out: str, results) -> None:
 def test_held_out_evaluation_is_sharded_across_ranks_and_merged(tmp_path):
     """Each of 2 ranks rolls out its contiguous share of the 7 held-out questions (4 + 3), and every rank gets
     the merged result, the one a single process gets."""
-    from copes.run.config import build_config
+    from copes.config.options import build_config
     from copes.run.trainer import Trainer
 
     results = mp.Manager().dict()

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from copes.config.options import ConfigError, build_config
 from copes.es.strategies import CoPES
 from copes.modeling import resolve_model_path
-from copes.run.config import ConfigError, build_config
 from copes.run.journal import (
     JournalContents,
     JournalWriter,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from copes.run.metrics import PhaseTimer
+from copes.timing import PhaseTimer
 
 
 def test_an_overlapping_phase_counts_wall_time_not_the_sum_over_threads() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from copes.config.options import DEFAULT_OUTPUT_DIR, build_config
 from copes.errors import ConfigError
-from copes.run.config import DEFAULT_OUTPUT_DIR, build_config
 from copes.run.record import claim_output_dir
 
 from helpers.cli_runs import copes_run, run_in_process

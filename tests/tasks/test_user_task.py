@@ -314,8 +314,8 @@ def test_an_unknown_config_key_is_one_line_naming_the_valid_keys():
 def test_startup_warnings_name_unreadable_and_too_long_prompts(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from copes.config.components import startup_warnings
     from copes.modeling import resolve_model_path
-    from copes.run.components import startup_warnings
     from copes.tasks.file_task import FileTask
 
     path = resolve_model_path("tiny")
@@ -349,13 +349,13 @@ def test_rewards_replace_a_registered_tasks_scoring_and_read_gsm8k_golds():
 
 
 def test_reward_settings_are_checked_in_one_line():
-    from copes.run.config import build_config
+    from copes.config.options import build_config
 
     with pytest.raises(ConfigError, match="gives 2 weights for 1"):
         build_config({"reward": ["exact"], "reward_weights": "1,0.5"})
     assert build_config({"reward": ["exact", "format"], "reward_weights": "1,0.5"}).reward_weights == [1.0, 0.5]
     with pytest.raises(ConfigError, match="unknown task 'nosuch'"):
-        from copes.run.components import task_from_config
+        from copes.config.components import task_from_config
 
         task_from_config(build_config({"task": "nosuch"}))
 
@@ -395,8 +395,8 @@ def test_a_file_tasks_mistakes_are_one_line_that_says_the_fix(tmp_path):
     """A task-option typo names the valid options (it leaked `FileTask.__init__() got an unexpected keyword
     argument`); an answer column no row has is refused at start (it ran, every row scoring 0); a task without
     held-out rows says how to give them or to train without (it said only that there were none)."""
-    from copes.run.components import eval_examples
-    from copes.run.config import build_config
+    from copes.config.components import eval_examples
+    from copes.config.options import build_config
     from copes.tasks.plugins import build_task
 
     data = tmp_path / "rows.jsonl"

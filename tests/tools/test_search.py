@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from copes.run.components import task_corpus
+from copes.config.components import task_corpus
 from copes.tasks import get_task
 from copes.tasks.loading import DatasetError
 from copes.tools import (

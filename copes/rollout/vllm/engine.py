@@ -175,7 +175,7 @@ def engine_options(config: Any, *, device: torch.device, dtype: torch.dtype, kv_
                    free_share: float | None = None) -> dict[str, Any]:
     """The options `vllm.LLM` gets for the checkpoint of `config` (besides the model path and the worker class).
 
-    - the KV pool is `kv_cache_gib` (the plan's on CUDA, see copes.run.plan) and vLLM fits `max_model_len` into it;
+    - the KV pool is `kv_cache_gib` (the plan's on CUDA, see copes.plan.memory) and vLLM fits `max_model_len` into it;
     - one scheduler step processes at most STEP_TOKENS tokens of at most STEP_ROWS rows (the plan counts that step's
       activations and logits);
     - a hybrid model (gated delta-net layers) caches prefixes in `mamba_cache_mode="align"`, the mode vLLM's

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
+from copes.config.options import ConfigError, build_config
 from copes.errors import UserError
 from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
-from copes.run.config import ConfigError, build_config
 
 
 def test_hf_is_the_default_engine() -> None:

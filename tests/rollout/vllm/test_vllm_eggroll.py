@@ -35,9 +35,9 @@ from copes.modeling import EMBEDDED_MODEL_DIR, load_model  # noqa: E402
 from copes.rollout import AgentConfig  # noqa: E402
 from copes.rollout.engine import engine_for, load_rollout_model  # noqa: E402
 from copes.rollout.vllm.lora import LoRASlots  # noqa: E402
-from copes.run.metrics import PhaseTimer  # noqa: E402
 from copes.run.scoring import rollouts  # noqa: E402
 from copes.tasks.plugins import build_task  # noqa: E402
+from copes.timing import PhaseTimer  # noqa: E402
 
 from helpers.cli_runs import assert_same_weights, copes_run, final_weights, metrics_without_time  # noqa: E402
 

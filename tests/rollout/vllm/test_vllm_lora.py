@@ -120,8 +120,8 @@ def test_a_module_no_lora_layer_reads_is_unreachable() -> None:
 def test_on_vllm_the_low_rank_targets_leave_the_tied_embedding_out(model: torch.nn.Module) -> None:
     """Decided from the model and the config alone: copes-replay (an HF model) of a vLLM run gets the same targets,
     and the hf engine gets them given --exclude of the tied embedding."""
-    from copes.run.components import build_strategy
-    from copes.run.config import build_config
+    from copes.config.components import build_strategy
+    from copes.config.options import build_config
 
     def targets(**settings: object) -> set[str]:
         strategy = build_strategy(build_config({"algorithm": "eggroll", "population": 4, **settings}), model)

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 from copes import ESConfig, ESTrainer
 from copes.errors import ConfigError
 from copes.rollout.hf_engine import HFEngine
-from copes.run.es_trainer import REFUSED
 from copes.run.journal import read_journal
+from copes.trl.trainer import REFUSED
 from copes.user_code import sha256_of
 
 from helpers.tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer
@@ -118,8 +118,8 @@ def test_esconfig_is_trainconfig_under_grpo_names():
     CLI, YAML, copes.train and ESConfig cannot drift."""
     from dataclasses import fields
 
-    from copes.run.config import TrainConfig
-    from copes.run.es_config import ES_DEFAULTS, GRPO_NAMES, TRAINER_SET
+    from copes.config.options import TrainConfig
+    from copes.trl.config import ES_DEFAULTS, GRPO_NAMES, TRAINER_SET
 
     es_fields = {f.name: f for f in fields(ESConfig)}
     for option in fields(TrainConfig):

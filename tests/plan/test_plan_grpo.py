@@ -1,4 +1,4 @@
-"""The memory plan's GRPO column (copes.run.plan_grpo): `copes-run --plan` prints a GRPO line for the same model
+"""The memory plan's GRPO column (copes.plan.grpo): `copes-run --plan` prints a GRPO line for the same model
 and context, and the column's update lines (saved activations with and without gradient checkpointing, the
 completion's logits, the embedding's gradient, the gradients) are validated against the peak of one real GRPO
 update (sampling, the reference-free clipped loss over prompt + completion with TRL's selective_log_softmax,
@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from copes.run.config import build_config
-from copes.run.plan import GIB, model_shape, plan_for
-from copes.run.plan_grpo import grpo_columns, grpo_plan
+from copes.config.options import build_config
+from copes.plan.grpo import grpo_columns, grpo_plan
+from copes.plan.memory import GIB, model_shape, plan_for
 
 from helpers.cli_runs import copes_run
 from helpers.paths import FIXTURES, REPO

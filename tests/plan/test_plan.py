@@ -1,4 +1,4 @@
-"""The memory plan (copes.run.plan) at real shapes, on this CPU machine: exact parameter counts of the Qwen3.5-4B
+"""The memory plan (copes.plan.memory) at real shapes, on this CPU machine: exact parameter counts of the Qwen3.5-4B
 and Qwen3-4B configs built on the meta device, the activation model against peaks measured on the same
 architectures at reduced width, `copes-run --plan` for a 24 GB card without a GPU, and runs refused before
 loading when they cannot fit."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from copes.run.config import build_config
-from copes.run.plan import (
+from copes.config.options import build_config
+from copes.plan.memory import (
     GIB,
     kv_bytes_per_token,
     layer_activation_bytes_per_token,
@@ -210,7 +210,7 @@ def test_the_hf_engines_two_turn_peak_matches_the_plan(name, dtype):
     plan's per-row lines (KV store, kept copy, delta-net state, decode step) to 0.7-1.25x (measured 0.76-0.97);
     the whole peak is at most the plan's, which adds the per-call prefill chunk to the rows' peak though the two
     do not coincide (measured 0.72-0.96 of it)."""
-    from copes.run.plan import RolloutShape, _rollout_lines
+    from copes.plan.memory import RolloutShape, _rollout_lines
 
     path, widths = REDUCED[name]
     config = _reduced(path, **widths)
@@ -232,8 +232,8 @@ def test_one_members_long_context_rollout_matches_the_plan(name):
     0.8-1.05 band (measured 0.86-1.01 from 1K to 64K by bench/memory_context.py). Guards #39: the plan added one
     layer's K/V repeated to the query heads on top of the heaviest layer's activations, though layers run one at a
     time, and counted it with one KV head, where transformers' repeat_kv is a stride-0 view (0.76 and 0.78 here)."""
+    from copes.plan.memory import RolloutShape, _rollout_lines
     from copes.rollout.hf_engine import HFEngine
-    from copes.run.plan import RolloutShape, _rollout_lines
 
     path, widths = REDUCED[name]
     config = _reduced(path, **widths)
@@ -345,7 +345,7 @@ def test_a_cpu_plan_counts_the_host_process_against_the_ram_budget():
 def test_a_cpu_plan_budgets_available_memory_not_just_free_pages(monkeypatch):
     """Guards #35: the CPU plan took MemFree, which counts the page cache as used: right after a 4B checkpoint was
     read (8.4 GB of cache) a run that fits was refused. It takes MemAvailable."""
-    from copes.run import plan as plan_module
+    from copes.plan import memory as plan_module
 
     meminfo = "MemTotal:       24000000 kB\nMemFree:          500000 kB\nMemAvailable:   20000000 kB\n"
     real = Path.read_text

@@ -1,13 +1,13 @@
-"""copes.run.components: what a run's settings build."""
+"""copes.config.components: what a run's settings build."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from copes.run.components import tools_on
-from copes.run.config import build_config
-from copes.run.plan import _task_uses_tools
+from copes.config.components import tools_on
+from copes.config.options import build_config
+from copes.plan.memory import _task_uses_tools
 from copes.tasks import get_task
 from copes.tasks.file_task import FileTask
 

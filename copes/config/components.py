@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from copes.choices import ALGORITHMS_BY_NAME
+from copes.config.options import TrainConfig
 from copes.errors import ConfigError
 from copes.failpoints import failpoint
 from copes.rewards.functions import callable_label
-from copes.run.config import TrainConfig
-from copes.run.metrics import PhaseTimer
 from copes.tasks import Example, Task
 from copes.tasks.plugins import RewardSpec, build_task, with_rewards
+from copes.timing import PhaseTimer
 
 if TYPE_CHECKING:  # the strategies, the rollout code (and torch) load only when a run builds them
     from copes.es.strategies.base import Strategy

@@ -1,13 +1,13 @@
-"""The memory plan of a vLLM run (copes.run.plan's vLLM section): vLLM's own footprint (weights, one scheduler step,
+"""The memory plan of a vLLM run (copes.plan.memory's vLLM section): vLLM's own footprint (weights, one scheduler step,
 a paged KV pool that holds every row's KV and delta-net state), no cap on rows, and on CUDA a KV pool sized from
 what the card leaves rather than a 1 GiB default. The options the engine hands vllm.LLM are
 tests/rollout/vllm/test_vllm_options.py."""
 
 from __future__ import annotations
 
+from copes.config.options import build_config
+from copes.plan.memory import GIB, layer_activation_bytes_per_token, plan_for
 from copes.rollout.vllm import STEP_TOKENS
-from copes.run.config import build_config
-from copes.run.plan import GIB, layer_activation_bytes_per_token, plan_for
 
 from helpers.paths import FIXTURES
 
@@ -62,7 +62,7 @@ def test_vllm_on_cpu_plans_its_load_with_the_checkpoint_mapped() -> None:
 
 def test_low_rank_on_vllm_plans_without_the_tied_embedding() -> None:
     """Guards EGGROLL on vLLM planning an 8.3 GiB update for the tied embedding, which its adapters cannot carry and
-    the run leaves out (copes.run.components): the update buffers are sized by the largest tensor it does train."""
+    the run leaves out (copes.config.components): the update buffers are sized by the largest tensor it does train."""
     eggroll = {**HEADLINE, "algorithm": "eggroll", "prompt_batch": 16}
     on_vllm, on_hf = plan_for(build_config(eggroll)), plan_for(build_config({**eggroll, "rollout_engine": "hf"}))
     embedding = on_hf.shape.vocab * on_hf.shape.hidden

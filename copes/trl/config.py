@@ -17,8 +17,8 @@ import sys
 from dataclasses import MISSING, Field, field, fields, make_dataclass
 from typing import Any
 
+from copes.config.options import TrainConfig, build_config
 from copes.errors import ConfigError
-from copes.run.config import TrainConfig, build_config
 
 # TrainConfig fields under GRPOConfig's (or TrainingArguments') name: the same meaning, the ES value.
 GRPO_NAMES = {

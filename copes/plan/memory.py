@@ -23,7 +23,7 @@ Contract:
   for a low-rank one (EGGROLL, copes-lowrank: the whole population in one rollout, each row routed to its member).
   When not even one row fits, `advice` names what to change, in one line.
 The per-token activation coefficients come from the intermediates transformers' Qwen3 / Qwen3.5 layers keep alive
-(torch fallback of the gated delta rule: fp32); tests/run/test_plan.py measures them on CPU at reduced width.
+(torch fallback of the gated delta rule: fp32); tests/plan/test_plan.py measures them on CPU at reduced width.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from copes.choices import ALGORITHMS_BY_NAME, PER_MEMBER_ALGORITHMS
+from copes.config.options import TrainConfig
 from copes.errors import ConfigError
 from copes.rollout.hf_engine import PREFILL_CHUNK_TOKENS
-from copes.run.config import TrainConfig
 
 GIB = 1024**3
 DEFAULT_CARD_GIB = 24.0  # what --plan assumes with no --device-memory-gib and no visible device
@@ -116,7 +116,7 @@ def model_shape(config: Any, include: list[str] | None = None, exclude: list[str
                 tied_left_out: bool = False) -> ModelShape:
     """Build the causal LM on the meta device (no memory, exact shapes) and read off what the plan needs.
     `tied_left_out`: a tied embedding is not trainable (a low-rank strategy on vLLM, whose adapters cannot carry
-    it: copes.run.components leaves it out the same way)."""
+    it: copes.config.components leaves it out the same way)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -3,7 +3,7 @@
 
 import pytest
 
-from copes.run.config import ConfigError, TrainConfig, build_config, config_with_preset, read_yaml
+from copes.config.options import ConfigError, TrainConfig, build_config, config_with_preset, read_yaml
 
 from helpers.paths import REPO
 
@@ -113,8 +113,8 @@ def test_choices_come_from_the_field(layer, message):
 def test_antithetic_and_adam_reach_the_strategy():
     from transformers import AutoModelForCausalLM
 
+    from copes.config.components import build_strategy
     from copes.modeling import resolve_model_path
-    from copes.run.components import build_strategy
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"))
     strategy = build_strategy(build_config({"antithetic": True, "optimizer": "adam"}), model)

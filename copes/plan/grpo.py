@@ -13,7 +13,7 @@ One GRPO update, as a careful user runs it (TRL's GRPOTrainer, one sequence per 
   are freed: the backward ends with every gradient beside the layer inputs and the last recomputed layer.
 The per-token saved activations are the tensors autograd keeps in transformers' Qwen3 / Qwen3.5 layers, listed
 with saved_tensors_hooks on CPU (model dtype s, fp32 4 bytes; the gated delta rule's torch fallback);
-tests/run/test_plan_grpo.py checks the whole update against peaks measured at reduced width.
+tests/plan/test_plan_grpo.py checks the whole update against peaks measured at reduced width.
 
 Cards: fully sharded (ZeRO-3 / FSDP) state and sequence-parallel activations divide by the cards; one layer's
 gathered weights and gradients do not. The count is therefore a lower bound on what a real deployment needs.
@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from copes.run.config import TrainConfig
-from copes.run.plan import (
+from copes.config.options import TrainConfig
+from copes.plan.memory import (
     GIB,
     PROMPT_TOKENS,
     RESERVE_BYTES,

@@ -2,7 +2,7 @@
 
 It takes GRPOTrainer's keyword arguments (model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
 callbacks, tools, environment_factory), turns them into a `TrainConfig` (through `ESConfig`) and a `DatasetTask`
-(copes.run.trl_task), and runs the very `Trainer` copes-run runs: the journal, kill-anywhere resume, copes-replay,
+(copes.trl.task), and runs the very `Trainer` copes-run runs: the journal, kill-anywhere resume, copes-replay,
 the memory plan, `workers` and every algorithm come with it. Callbacks are transformers' `TrainerCallback`s, driven
 with a `TrainerState` / `TrainerControl`; `control.should_training_stop` ends the run after the step in progress,
 journaled and resumable. Logged keys reuse GRPO's names (`reward`, `reward_std`, `frac_reward_zero_std`,
@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
+from copes.config.components import GivenParts
 from copes.errors import ConfigError
 from copes.rewards.functions import callable_label
 from copes.run.checkpoint import views_on_their_own_storage
-from copes.run.components import GivenParts
 from copes.run.distributed import WORKERS_ENV, gather_values, launched_distributed
-from copes.run.es_config import ESConfig
 from copes.run.trainer import Trainer
-from copes.run.trl_task import (
+from copes.trl.config import ESConfig
+from copes.trl.task import (
     DatasetTask,
     Environments,
     FunctionTool,
