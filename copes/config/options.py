@@ -290,8 +290,8 @@ def absolute_paths(layer: dict[str, Any]) -> dict[str, Any]:
     """`layer` with the local files and folders it names relative to the working directory made absolute (a data
     file task, `hf:` folder, eval_file, data_dir, search corpus, model folder): the journal then holds paths a
     `--resume` from any other directory finds."""
-    from copes.tasks import task_names
-    from copes.tasks.file_task import HUB_PREFIX, is_dataset_file
+    from copes.tasks.file_task import HUB_PREFIX
+    from copes.tasks.plugins import task_form
 
     def resolved(path: Any) -> Any:
         return str(Path(path).resolve()) if isinstance(path, str) and path and Path(path).exists() else path
@@ -301,10 +301,11 @@ def absolute_paths(layer: dict[str, Any]) -> dict[str, Any]:
         if key in out:
             out[key] = resolved(out[key])
     task = out.get("task")
-    if isinstance(task, str) and task.startswith(HUB_PREFIX):
+    form = task_form(task) if isinstance(task, str) else None
+    if form == "hub":
         folder, _, config = task[len(HUB_PREFIX):].partition(":")
         out["task"] = HUB_PREFIX + resolved(folder) + (f":{config}" if config else "")
-    elif isinstance(task, str) and task not in task_names() and is_dataset_file(task):
+    elif form == "file":
         out["task"] = resolved(task)
     options = out.get("task_options")
     if isinstance(options, dict) and "eval_file" in options:

@@ -561,9 +561,9 @@ def _plan_vllm(cfg: TrainConfig, plan: MemoryPlan, device: str) -> None:
 def _task_uses_tools(cfg: TrainConfig) -> bool:
     """Whether the run's agent takes tool turns (a chat task with tools on); unknown tasks plan for tools."""
     from copes.tasks import get_task
-    from copes.tasks.file_task import is_data_task
+    from copes.tasks.plugins import task_form
 
-    if cfg.tools is False or (cfg.tools is None and is_data_task(cfg.task)):
+    if cfg.tools is False or (cfg.tools is None and task_form(cfg.task) in ("file", "hub")):
         return False  # components.tools_on: a file or hub task has no tools unless asked
 
     try:

@@ -36,11 +36,6 @@ def is_dataset_file(spec: str) -> bool:
     return spec.endswith(LOCAL_FORMATS) or Path(spec).is_file()
 
 
-def is_data_task(spec: str) -> bool:
-    """Whether `spec` names a FileTask: a data file or a hub (or saved) dataset, not one of copes' own tasks."""
-    return spec.startswith(HUB_PREFIX) or is_dataset_file(spec)
-
-
 def parse_hub_spec(spec: str) -> tuple[str, str | None]:
     """`hf:OWNER/NAME[:CONFIG]` (or `hf:LOCAL_DIR[:CONFIG]`) -> (name or folder, config)."""
     body = spec[len(HUB_PREFIX):]
@@ -117,7 +112,6 @@ class FileTask(RewardScored, TaskBase):
         eval_split: str | None = None,
         chat: bool | str = True,
         system_prompt: str | None = None,
-        rewards: RewardSet | None = None,
     ) -> None:
         self.source, self.prompt_field, self.answer_field = source, prompt_field, answer_field
         self.eval_file = eval_file
@@ -125,15 +119,27 @@ class FileTask(RewardScored, TaskBase):
         self.name = Path(source).stem if not source.startswith(HUB_PREFIX) else source
         self.system_prompt = system_prompt if self.chat else None  # raw prompts carry it in their text instead
         self._prefix = "" if self.chat or not system_prompt else system_prompt
-        self.rewards = rewards or RewardSet([resolve_reward("exact", answer_field=answer_field)])
+        self.rewards = RewardSet([resolve_reward("exact", answer_field=answer_field)])
         self._rows = self._load_rows(eval_file, eval_split)
         self._cache: dict[str, list[Example]] = {}
-        # A gold column no row has: named by the user, or read by the default reward, it would score every row 0.
+        if answer_field != "answer":  # named by the user: a column no row has is a typo
+            self._require_gold_column()
+
+    def scored_by(self, rewards: RewardSet | None) -> FileTask:
+        """This task scored by `rewards`; None keeps the default `exact` reward, which reads the gold column."""
+        if rewards is None:
+            self._require_gold_column()
+        else:
+            self.rewards = rewards
+        return self
+
+    def _require_gold_column(self) -> None:
+        """A gold column no row has would score every row 0: refused at start."""
         train_rows = self._rows["train"]
-        if (answer_field != "answer" or rewards is None) and not any(answer_field in row for row in train_rows):
+        if not any(self.answer_field in row for row in train_rows):
             columns = sorted({key for row in train_rows[:100] for key in row})
-            raise ConfigError(f"{source}: no row has the answer column {answer_field!r} (task option answer_field=); "
-                              f"its columns are {columns}")
+            raise ConfigError(f"{self.source}: no row has the answer column {self.answer_field!r} (task option "
+                              f"answer_field=); its columns are {columns}")
 
     def _load_rows(self, eval_file: str | None, eval_split: str | None) -> dict[str, list[dict[str, Any]]]:
         required = (self.prompt_field,)
@@ -182,4 +188,4 @@ class FileTask(RewardScored, TaskBase):
 
 
 # The task options (`--task-options KEY=VALUE`) a data file or hub task takes: its keyword arguments.
-FILE_TASK_OPTIONS = frozenset(inspect.signature(FileTask.__init__).parameters) - {"self", "source", "rewards"}
+FILE_TASK_OPTIONS = frozenset(inspect.signature(FileTask.__init__).parameters) - {"self", "source"}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from copes.errors import ConfigError
 from copes.rewards.functions import (
@@ -33,7 +33,6 @@ from copes.tasks.file_task import (
     HUB_PREFIX,
     FileTask,
     RewardScored,
-    is_data_task,
     is_dataset_file,
     parse_hub_spec,
 )
@@ -68,6 +67,46 @@ def reward_set(rewards: Sequence[RewardSpec], weights: Sequence[float], answer_f
                      weights)
 
 
+TaskForm = Literal["builtin", "file", "hub", "plugin"]
+
+
+def task_form(spec: str) -> TaskForm | None:
+    """What `--task` names (see the module docstring), decided once for the whole build; None for none of them."""
+    if spec in task_names():
+        return "builtin"
+    if spec.startswith(HUB_PREFIX):
+        return "hub"
+    if is_dataset_file(spec):
+        return "file"
+    if is_import_path(spec):
+        return "plugin"
+    return None
+
+
+def build_task(spec: str, options: dict[str, Any], *, rewards: Sequence[RewardSpec] = (),
+               reward_weights: Sequence[float] = (), data_dir: str | None = None,
+               reward_timeout_s: float = DEFAULT_TIMEOUT_S) -> Task:
+    """The task `spec` names, then its rewards: in one pass, its form decided once. `data_dir` goes to copes' own
+    tasks (a file, hub or plugin task names its own data)."""
+    form = task_form(spec)
+    if form is None:
+        raise ConfigError(f"unknown task {spec!r}: give {TASK_FORMS} (names: {', '.join(task_names())})")
+    task = _new_task(form, spec, options, data_dir)
+    return with_rewards(task, rewards, reward_weights, reward_timeout_s)
+
+
+def _new_task(form: TaskForm, spec: str, options: dict[str, Any], data_dir: str | None) -> Task:
+    if form == "builtin":
+        return get_task(spec, **options, **({"data_dir": data_dir} if data_dir else {}))
+    if form == "plugin":
+        return _plugin_task(spec, options)
+    unknown = sorted(set(options) - FILE_TASK_OPTIONS)
+    if unknown:
+        raise ConfigError(f"unknown task option(s) {', '.join(unknown)} for a data file or hub task; its options "
+                          f"are {', '.join(sorted(FILE_TASK_OPTIONS))}")
+    return FileTask(spec, **options)
+
+
 def _plugin_task(spec: str, options: dict[str, Any]) -> Task:
     factory = import_object(spec, "--task")
     try:
@@ -81,34 +120,13 @@ def _plugin_task(spec: str, options: dict[str, Any]) -> Task:
     return task
 
 
-def build_task(spec: str, options: dict[str, Any], *, rewards: Sequence[RewardSpec] = (),
-               reward_weights: Sequence[float] = (), data_dir: str | None = None,
-               reward_timeout_s: float = DEFAULT_TIMEOUT_S) -> Task:
-    """The task `spec` names (see the module docstring), scored by `rewards` when given; `data_dir` goes to
-    copes' own tasks (a file, hub or plugin task names its own data)."""
-    if spec in task_names():
-        return with_rewards(get_task(spec, **options, **({"data_dir": data_dir} if data_dir else {})), rewards,
-                            reward_weights, reward_timeout_s)
-    if is_data_task(spec):
-        answer_field = options.get("answer_field", "answer")
-        scoring = reward_set(rewards, reward_weights, answer_field, reward_timeout_s) if rewards else None
-        unknown = sorted(set(options) - FILE_TASK_OPTIONS)
-        if unknown:
-            raise ConfigError(f"unknown task option(s) {', '.join(unknown)} for a data file or hub task; its options "
-                              f"are {', '.join(sorted(FILE_TASK_OPTIONS))}")
-        return FileTask(spec, **options, rewards=scoring)
-    if is_import_path(spec):
-        return with_rewards(_plugin_task(spec, options), rewards, reward_weights, reward_timeout_s)
-    raise ConfigError(f"unknown task {spec!r}: give {TASK_FORMS} (names: {', '.join(task_names())})")
-
-
 def with_rewards(task: Task, rewards: Sequence[RewardSpec], reward_weights: Sequence[float] = (),
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> Task:
-    """`task`, scored by `rewards` instead of its own scoring when any are given (a file task takes them itself)."""
-    if not rewards:
-        return task
+    """`task`, scored by `rewards` instead of its own scoring when any are given (a file task takes them itself,
+    and without them checks the gold column its default reward reads)."""
     if isinstance(task, FileTask):
-        task.rewards = reward_set(rewards, reward_weights, task.answer_field, timeout_s)
+        return task.scored_by(reward_set(rewards, reward_weights, task.answer_field, timeout_s) if rewards else None)
+    if not rewards:
         return task
     return RewardedTask(task, reward_set(rewards, reward_weights, RewardedTask.answer_field, timeout_s))
 
@@ -128,13 +146,13 @@ def user_sources(spec: str, options: dict[str, Any], rewards: Sequence[RewardSpe
     modules behind a run (copes' own tasks and built-in rewards have none); a file that cannot be found has path
     and sha256 None."""
     found: dict[str, dict[str, str | None]] = {}
-    folder = Path(parse_hub_spec(spec)[0]) if spec.startswith(HUB_PREFIX) else None
-    if folder is not None and folder.is_dir():
+    form = task_form(spec)  # None for the name of a Task object handed to copes.train: no file behind it
+    if form == "hub" and (folder := Path(parse_hub_spec(spec)[0])).is_dir():
         found[f"dataset folder {folder}"] = _source_of(folder)
-    elif spec not in task_names() and is_dataset_file(spec):
+    elif form == "file":
         for path in [spec, *([options["eval_file"]] if options.get("eval_file") else [])]:
             found[f"data file {path}"] = _source_of(Path(path))
-    elif spec not in task_names() and is_import_path(spec):
+    elif form == "plugin":
         found[f"task module {spec.partition(':')[0]}"] = _source_of(module_source(spec))
     for kind, what in (("tools", "tool"), ("environment_factory", "environment")):  # ESTrainer's, as MODULE:NAME
         for label in options.get(kind) or ():
