@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from common.harness import RESULTS_DIR, pin_one_thread
+from common.harness import RESULTS_DIR, append_csv_row, pin_one_thread
 
 REPO = Path(__file__).resolve().parents[1]
 CSV = RESULTS_DIR / "memory_context.csv"
@@ -116,12 +116,7 @@ def sweep(models: Sequence[str], lengths: Sequence[int], kinds: Sequence[str]) -
                 with big_memory(length >= BIG_CONTEXT), context.Pool(1) as pool:
                     row = pool.apply(measure, ((name, length, kind),))
                 print(row, flush=True)
-                new = not CSV.is_file()
-                with CSV.open("a", newline="") as handle:
-                    writer = csv.DictWriter(handle, FIELDS)
-                    if new:
-                        writer.writeheader()
-                    writer.writerow(row)
+                append_csv_row(CSV, FIELDS, row)
                 done.append({key: str(value) for key, value in row.items()})
     return done
 

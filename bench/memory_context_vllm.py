@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from common.harness import RESULTS_DIR
+from common.harness import RESULTS_DIR, append_csv_row
 
 REPO = Path(__file__).resolve().parents[1]
 CSV = RESULTS_DIR / "memory_context_vllm.csv"
@@ -121,12 +121,7 @@ def main() -> None:
                     sys.exit(f"{name} at {context}: exit {run.returncode}\n{run.stderr[-3000:]}")
                 row = {"model": name, "context": context, **json.loads(lines[-1]), **planned(name, context, folder)}
                 print(row, flush=True)
-                new = not CSV.is_file()
-                with CSV.open("a", newline="") as handle:
-                    writer = csv.DictWriter(handle, FIELDS)
-                    if new:
-                        writer.writeheader()
-                    writer.writerow(row)
+                append_csv_row(CSV, FIELDS, row)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from copes.modeling import EMBEDDED_MODEL_DIR, load_model
 from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
 from copes.tasks import get_task
 
-from common.harness import alternating_best_seconds, machine_note, report
+from common.harness import add_engine_timing_arguments, alternating_best_seconds, machine_note, report
 
 ModelShape = dict[str, int]
 # ~100M parameters in the decoder; the vocabulary is the embedded tiny tokenizer's (vLLM detokenizes with it).
@@ -259,9 +259,7 @@ def main() -> None:
     parser.add_argument("--no-step", action="store_true", help="time generation only, not the CoPES step")
     parser.add_argument("--cpu-clock", action="store_true",
                         help="time generation by this thread's CPU time (a crowded machine, --threads 1, no vLLM)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for every engine")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best kept) after one warm-up")
-    parser.add_argument("--kv-cache-gib", type=float, default=0.5, help="the vLLM engine's KV cache")
+    add_engine_timing_arguments(parser, kv_cache_help="the vLLM engine's KV cache")
     args = parser.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:

@@ -37,7 +37,7 @@ from copes.modeling import load_model
 from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
 from copes.rollout.vllm.lora import LoRASlots
 
-from common.harness import alternating_best_seconds, machine_note, report
+from common.harness import add_engine_timing_arguments, alternating_best_seconds, machine_note, report
 
 GOAL_CPU, GOAL_GPU = 0.7, 0.9
 
@@ -123,9 +123,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per row")
     parser.add_argument("--rank", type=int, default=1, help="EGGROLL rank r")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for every engine")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best kept) after one warm-up")
-    parser.add_argument("--kv-cache-gib", type=float, default=0.5, help="each vLLM engine's KV cache")
+    add_engine_timing_arguments(parser, kv_cache_help="each vLLM engine's KV cache")
     args = parser.parse_args()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:

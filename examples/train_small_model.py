@@ -35,6 +35,7 @@ from train_tiny_agent_model import (
     build_tokenizer,
     encode,
     save,
+    train_step,
 )
 from transformers import GenerationConfig, Qwen3ForCausalLM
 
@@ -127,17 +128,12 @@ def main() -> None:
         batch = batch_tensors([rows[index] for index in order[position : position + args.batch_size]],
                               tokenizer.pad_token_id)
         position += args.batch_size
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train_step(model, batch, optimizer, schedule)
         if step % args.eval_every == 0:
             accuracy = {task.name: held_out_accuracy(model, tokenizer, task, args.eval_size) for task in tasks}
-            checks.append({"step": step, "loss": round(loss.item(), 4), **accuracy})
+            checks.append({"step": step, "loss": round(loss, 4), **accuracy})
             shown = "  ".join(f"{name} {value:.3f}" for name, value in accuracy.items())
-            print(f"step {step:5d}  loss {loss.item():.4f}  validation {shown}  "
+            print(f"step {step:5d}  loss {loss:.4f}  validation {shown}  "
                   f"({time.perf_counter() - started:.0f}s)", flush=True)
             if all(accuracy[task.name] >= stop for task, stop in zip(tasks, args.stop)):
                 break

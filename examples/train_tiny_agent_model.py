@@ -142,6 +142,18 @@ def build_model(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) ->
     return Qwen3ForCausalLM(config)
 
 
+def train_step(model: Qwen3ForCausalLM, batch: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+               schedule: torch.optim.lr_scheduler.LRScheduler) -> float:
+    """One clipped AdamW step on `batch`; returns its loss."""
+    loss = model(**batch).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def save(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, summary: dict) -> None:
     """The model, its tokenizer (loadable under transformers 4 and 5) and training_summary.json in `out`."""
     model.save_pretrained(out, safe_serialization=True)
@@ -229,13 +241,7 @@ def main() -> None:
         start = (step - 1) * args.batch_size % (len(order) - args.batch_size + 1)
         batch = batch_tensors([rows[index] for index in order[start : start + args.batch_size]],
                               tokenizer.pad_token_id)
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(train_step(model, batch, optimizer, schedule))
         if step % args.log_every == 0:
             recent = sum(losses[-args.log_every:]) / args.log_every
             print(f"step {step:5d}  loss {recent:.4f}  ({time.perf_counter() - started:.0f}s)", flush=True)

@@ -5,6 +5,7 @@ engine is compared against. Imports nothing from the scripts.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import multiprocessing
 import multiprocessing.pool
@@ -121,6 +122,23 @@ def write_csv(name: str, columns: Sequence[str], lines: Sequence[Sequence[object
         writer.writerow(columns)
         writer.writerows(lines)
     return path
+
+
+def add_engine_timing_arguments(parser: argparse.ArgumentParser, *, kv_cache_help: str) -> None:
+    """--threads, --repeats and --kv-cache-gib, as every rollout-engine bench takes them (the same for each engine)."""
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for every engine")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (best kept) after one warm-up")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.5, help=kv_cache_help)
+
+
+def append_csv_row(path: Path, columns: Sequence[str], row: dict[str, object]) -> None:
+    """One measured point appended to `path` (its header first when new), as soon as it ends, so a sweep resumes."""
+    new = not path.is_file()
+    with path.open("a", newline="") as handle:
+        writer = csv.DictWriter(handle, columns)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
 
 
 def machine_note() -> str:

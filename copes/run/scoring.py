@@ -35,25 +35,14 @@ def row_prompts(task: Task, rows: Sequence[Example]) -> list[Any]:
     return start(list(rows)) if start is not None else [task.prompt(example) for example in rows]
 
 
-# rollouts and roll_out take the same keywords on purpose: rollouts is roll_out followed by the scoring.
-def rollouts(
-    model: Any,
-    tokenizer: Any,
-    task: Task,
-    examples: Sequence[Example],
-    *,
-    tools: Sequence[Any],
-    agent: AgentConfig,
-    timer: PhaseTimer,
-    members: Sequence[int] | None = None,
-    row_members: Any = None,
-) -> list[list[tuple[Trajectory, Score]]]:
-    """Roll out and score `examples`: one list of (trajectory, score) per question, per member of `members` (a
-    batched population, rows routed through `row_members`), or a single list without members."""
-    trajectories = roll_out(model, tokenizer, task, examples, tools=tools, agent=agent, timer=timer, members=members,
-                            row_members=row_members)
+def rollouts(model: Any, tokenizer: Any, task: Task, examples: Sequence[Example],
+             **rollout: Any) -> list[list[tuple[Trajectory, Score]]]:
+    """`roll_out` (its keywords: tools, agent, timer, members, row_members), then scored: one list of (trajectory,
+    score) per question, per member of `members` (a batched population), or a single list without members."""
+    trajectories = roll_out(model, tokenizer, task, examples, **rollout)
+    members = rollout.get("members")
     copies = len(members) if members is not None else 1
-    with timer.overlapping("score"):
+    with rollout["timer"].overlapping("score"):
         scored = list(zip(trajectories, score_rollouts(task, list(examples) * copies, trajectories)))
     return [scored[i * len(examples) : (i + 1) * len(examples)] for i in range(copies)]
 
