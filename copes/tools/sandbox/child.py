@@ -95,7 +95,7 @@ class ChildConfig(TypedDict):
     symlinks: dict[str, str]
     top_level: list[str]
     staging: str
-    kept_uid_because: str | None  # the Landlock tier, where root keeps uid 0: why
+    kept_uid_because: str | None  # the Landlock tier, where root cannot switch to run_uid: why
 
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
@@ -115,6 +115,9 @@ INSIDE_ID = 1000  # the code's uid and gid inside its user namespace: not 0, so 
 WORKDIR = "/sandbox"
 OOM_SCORE_ADJ = 1000  # the kernel's maximum: under memory pressure the run is killed before anything else
 DEVICES = ("null", "zero", "urandom")
+# Queued signals (real-time ones, and any sent with sigqueue) the whole run may hold: the count is the uid's, so
+# it is the run's share of a non-root trainer's RLIMIT_SIGPENDING. Python's own signal handling queues none.
+PENDING_SIGNALS = 64
 EXIT_UNAVAILABLE = 124  # a required protection is missing; the code never ran
 EXIT_SETUP_FAILED = 125
 EXIT_EXEC_FAILED = 127
@@ -420,19 +423,36 @@ def _drop_bounding_set() -> None:
 
 
 def _set_rlimits(limits: RlimitConfig) -> bool:
-    """Set every per-process limit and read them back; True when all hold."""
+    """Set every per-process limit and read them back; True when all hold. None is inherited from the caller:
+    real-time priority and raised nice are 0, and the quotas the kernel keeps per uid (pending signals, locked
+    memory) are capped, so a run never takes the share of the uid a non-root trainer lives on."""
     wanted = {
         resource.RLIMIT_CPU: (limits["cpu_seconds"], limits["cpu_seconds"] + 1),
         resource.RLIMIT_AS: (limits["memory_bytes"],) * 2,
         resource.RLIMIT_NOFILE: (limits["open_files"],) * 2,
         resource.RLIMIT_FSIZE: (limits["file_bytes"],) * 2,
         resource.RLIMIT_CORE: (0, 0),
+        resource.RLIMIT_RTPRIO: (0, 0),
+        resource.RLIMIT_NICE: (0, 0),
+        resource.RLIMIT_MEMLOCK: (0, 0),  # also SysV SHM_LOCK, charged to the uid, not the process
+        resource.RLIMIT_SIGPENDING: (PENDING_SIGNALS,) * 2,
     }
     if limits["processes"] is not None:
         wanted[resource.RLIMIT_NPROC] = (limits["processes"],) * 2
     for limit, values in wanted.items():
+        hard = resource.getrlimit(limit)[1]  # a caller's lower hard limit stays: raising it needs privilege
+        wanted[limit] = values = tuple(value if hard == resource.RLIM_INFINITY else min(value, hard)
+                                       for value in values)
         resource.setrlimit(limit, values)
     return all(resource.getrlimit(limit) == values for limit, values in wanted.items())
+
+
+def _ordinary_scheduling() -> None:
+    """SCHED_OTHER at nice 0 or weaker: a trainer running real-time or at a negative nice must not hand that to
+    the run (its processes inherit the bootstrap's). Lowering one's own priority needs no privilege."""
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    if os.getpriority(os.PRIO_PROCESS, 0) < 0:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
 
 
 def _install_seccomp(report: Report, without_namespaces: bool) -> bool:
@@ -549,11 +569,11 @@ def _user_namespaces_allowed() -> bool:
 
 def _enter_landlock_tier(config: ChildConfig, report: Report, missing: list[str]) -> NoReturn:
     """Who the code runs as here. Root becomes a per-run uid, as in the first tier, so nothing that authorises by
-    uid alone (prlimit, scheduling, System V IPC, leases, file modes) treats another root process as its own;
-    unless the interpreter lies under a directory other uids cannot search (a pyenv under a 0700 /root), where it
-    keeps uid 0 with no capabilities and relies on the seccomp filter and Landlock's scoping. A non-root caller
-    keeps its uid: from ABI 6 Landlock scopes its signals and ptrace to the run, and seccomp confines the calls
-    that act on another process to the caller itself."""
+    uid alone (prlimit, scheduling, file modes and times, per-uid quotas) treats another root process or a
+    root-owned file as its own; where it cannot (the interpreter lies under a directory other uids cannot search,
+    such as a pyenv under a 0700 /root), the run is refused rather than left uid 0. A non-root caller keeps its uid:
+    from ABI 6 Landlock scopes its signals and ptrace to the run, and seccomp confines the calls that act on
+    another process to the caller itself and denies those that change a file's attributes."""
     if config["cgroup"] is not None:  # no init process here: give its place in the pids limit to nobody
         pids_file, _, limit = config["cgroup"]["pids"]
         with open(pids_file, "w") as file:  # before any uid switch: a per-run uid may not write it
@@ -561,7 +581,7 @@ def _enter_landlock_tier(config: ChildConfig, report: Report, missing: list[str]
     unreachable = _unreachable_by_other_uids([config["python"], *config["binds"]])
     if config["run_uid"] is not None and unreachable:
         config["run_uid"] = None
-        config["kept_uid_because"] = f"{unreachable} is not searchable by other uids"
+        config["kept_uid_because"] = f"the interpreter lies under {unreachable}, which other uids cannot search"
     _become_run_user(config)
     _landlock_tier(config, report, missing)
 
@@ -594,11 +614,18 @@ def _landlock_tier(config: ChildConfig, report: Report, missing: list[str]) -> N
         report.verdict("filesystem", False, "no Landlock on this kernel (5.13+, landlock in the lsm= boot parameter)")
         missing.append("filesystem")
     kept = f" ({config['kept_uid_because']})" if config["kept_uid_because"] else ""
-    report.verdict("user", bool(run_uid) or scoped,
-                   (f"per-run uid {run_uid}" if run_uid else f"the caller's uid {os.getuid()}{kept}")
-                   + (", its signals and ptrace scoped to the run by Landlock" if scoped else
-                      "" if run_uid else " with nothing to scope its signals")
-                   + "; seccomp lets prlimit, scheduling and I/O priority act on the calling process only")
+    if not run_uid and _is_host_root():
+        # Neither Landlock nor seccomp sees file ownership: uid 0 would keep root's reach over the host's
+        # root-owned files (modes, times, extended attributes) and share root's per-uid quotas.
+        report.verdict("user", False, f"the code would keep uid 0{kept}; the Landlock tier never runs code as "
+                                      "root: use the namespaces tier (tier='auto' where user namespaces can be "
+                                      "had) or an interpreter other uids can reach")
+    else:
+        report.verdict("user", bool(run_uid) or scoped,
+                       (f"per-run uid {run_uid}" if run_uid else f"the caller's uid {os.getuid()}")
+                       + (", its signals and ptrace scoped to the run by Landlock" if scoped else
+                          "" if run_uid else " with nothing to scope its signals")
+                       + "; seccomp lets prlimit, scheduling and I/O priority act on the calling process only")
     report.verdict("network", True, "seccomp denies socket() for every address family, connect(), and "
                                     "socketpair() other than a unix stream pair"
                                     + ("; Landlock denies TCP bind and connect" if version >= 4 else ""))
@@ -651,6 +678,17 @@ def _landlock_tier(config: ChildConfig, report: Report, missing: list[str]) -> N
     os._exit(0)
 
 
+def _is_host_root() -> bool:
+    """Whether our uid is 0 and maps to uid 0 of the parent user namespace (not a rootless container's root)."""
+    if os.getuid() != 0:
+        return False
+    for line in open("/proc/self/uid_map").read().splitlines():
+        inside, outside, count = map(int, line.split())
+        if inside <= 0 < inside + count:
+            return outside - inside == 0
+    return False
+
+
 def _is_tmpfs(mount_point: str) -> bool:
     for line in open("/proc/self/mountinfo").read().splitlines():
         fields = line.split()
@@ -695,7 +733,8 @@ def _exec_user_code(config: ChildConfig, report: Report, workdir: str, landlock:
         report.verdict("rlimits", rlimits_ok, f"cpu {limits['cpu_seconds']} s, address space "
                                               f"{limits['memory_bytes'] >> 20} "
                                         f"MiB, open files {limits['open_files']}, file size "
-                                        f"{limits['file_bytes'] >> 20} MiB, core 0 per process")
+                                        f"{limits['file_bytes'] >> 20} MiB, core 0, real-time priority 0, "
+                                        f"nice floor 0, locked memory 0, {PENDING_SIGNALS} queued signals")
         try:
             ok = report.verdict("capabilities", True, _drop_capabilities())
         except Refused as error:
@@ -810,6 +849,7 @@ def main(config: ChildConfig) -> NoReturn:
     SECCOMP, LANDLOCK = helpers["seccomp"], helpers["landlock"]
     with open("/proc/self/oom_score_adj", "w") as file:  # raising it needs no privilege; lowering it does
         file.write(str(OOM_SCORE_ADJ))
+    _ordinary_scheduling()
     missing = _join_cgroups(config, report)
     if config["tier"] == "landlock" or (not _user_namespaces_allowed() and LANDLOCK.abi()):
         _enter_landlock_tier(config, report, missing)
