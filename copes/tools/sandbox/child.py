@@ -88,6 +88,7 @@ class ChildConfig(TypedDict):
     caller_namespaces: dict[str, str]
     caller_keyring: int | None
     disk_bytes: int
+    disk_reserved_by_others: int  # /dev/shm bytes the caller's other runs may hold (see _shared_memory_room)
     max_files: int
     rlimits: RlimitConfig
     environment: dict[str, str]
@@ -643,11 +644,8 @@ def _landlock_tier(config: ChildConfig, report: Report, missing: list[str]) -> N
     missing += [name for name in ("user", "pid_namespace") if not report.isolation[name].startswith("yes")]
     shared = SHARED_MEMORY if _is_tmpfs(SHARED_MEMORY) else None
     workdir = tempfile.mkdtemp(prefix="copes_sandbox_", dir=shared)
-    report.verdict("disk", shared is not None,
-                   f"work dir {workdir} on tmpfs, charged to the run's memory cgroup (memory and disk together "
-                   f"at most {config['rlimits']['memory_bytes'] >> 20} MiB); RLIMIT_FSIZE per file"
-                   if shared else f"work dir {workdir} on the host disk, bounded per file only")
-    missing += [] if shared else ["disk"]
+    if not report.verdict("disk", *_shared_memory_room(config, workdir, shared)):
+        missing.append("disk")
     report.send(host_workdir=workdir, tier="landlock")
     report.stop_if_missing(missing)
     with open(os.path.join(workdir, "main.py"), "wb") as file:
@@ -676,6 +674,23 @@ def _landlock_tier(config: ChildConfig, report: Report, missing: list[str]) -> N
     _kill_the_rest_of_the_run(config)
     report.send(exit_status=os.waitstatus_to_exitcode(status))
     os._exit(0)
+
+
+def _shared_memory_room(config: ChildConfig, workdir: str, shared: str | None) -> tuple[bool, str]:
+    """(whether the Landlock work dir is bounded, in words): on a tmpfs with room for this run's max_disk_bytes
+    and those of the caller's other runs that may still hold theirs; the caller kills the run past its quota."""
+    quota, others = config["disk_bytes"], config["disk_reserved_by_others"]
+    if shared is None:
+        return False, f"work dir {workdir} on the host disk, bounded per file only ({SHARED_MEMORY} is no tmpfs)"
+    disk = os.statvfs(shared)
+    free = disk.f_bavail * disk.f_frsize
+    if free < quota + others:
+        return False, (f"{shared} has {free >> 20} MiB free, less than the {quota >> 20} MiB this run may write "
+                       f"and the {others >> 20} MiB the caller's other runs may hold there: fewer runs at once, a "
+                       f"smaller max_disk_bytes, a larger {shared}, or the namespaces tier")
+    return True, (f"work dir {workdir} on tmpfs, charged to the run's memory cgroup, its size (with the run's "
+                  f"shared memory) read by the caller every 10 ms: the run is killed past {quota >> 20} MiB; "
+                  f"{shared} had room for it and the caller's other runs; RLIMIT_FSIZE per file")
 
 
 def _is_host_root() -> bool:
