@@ -54,3 +54,8 @@ def delegated_cgroups(uid: int = NON_ROOT_UID) -> Iterator[list[str]]:
                 if nested.is_dir():
                     nested.rmdir()
             directory.rmdir()
+
+
+def reachable_by_other_uids(path: str) -> bool:
+    """Whether every directory above `path` lets other uids through (a pyenv under a 0700 /root does not)."""
+    return all(parent.stat().st_mode & 0o001 for parent in Path(path).parents)

@@ -116,6 +116,9 @@ INSIDE_ID = 1000  # the code's uid and gid inside its user namespace: not 0, so 
 WORKDIR = "/sandbox"
 OOM_SCORE_ADJ = 1000  # the kernel's maximum: under memory pressure the run is killed before anything else
 DEVICES = ("null", "zero", "urandom")
+# /proc files a pid namespace does not narrow that count the host's threads and forks (a channel between concurrent
+# runs, as sysinfo() is): they read empty. glibc's cpu count falls back to the affinity mask.
+HOST_COUNTERS = ("loadavg", "stat")
 # Queued signals (real-time ones, and any sent with sigqueue) the whole run may hold: the count is the uid's, so
 # it is the run's share of a non-root trainer's RLIMIT_SIGPENDING. Python's own signal handling queues none.
 PENDING_SIGNALS = 64
@@ -359,6 +362,8 @@ def _assemble_root(config: ChildConfig, root: str) -> None:
 def _finish_root(config: ChildConfig) -> str:
     """In the run's pid and user namespaces: a /proc showing only the run, and the size-limited work dir."""
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for counters in HOST_COUNTERS:
+        _bind_read_only("/dev/null", f"/proc/{counters}")
     _mount("tmpfs", WORKDIR, "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={config['disk_bytes']},nr_inodes={config['max_files']},mode=0700,uid={INSIDE_ID},gid={INSIDE_ID}")
     return WORKDIR
