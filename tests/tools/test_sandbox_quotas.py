@@ -240,7 +240,7 @@ fill = ("chunk = bytes(1 << 20)\nfor index in range(320):\n    with open(f'f{ind
         "        file.write(chunk)\n")
 saw["shm_peak_bytes"] = 0
 filled = run_watched(PythonSandbox(timeout_s=20.0, tier=tier, max_disk_bytes=32 << 20), fill)
-outside.update(shm_peak_bytes=saw["shm_peak_bytes"], disk_quota_exceeded=filled.disk_quota_exceeded)
+outside.update(shm_peak_bytes=saw["shm_peak_bytes"], disk_quota_exceeded=getattr(filled, "disk_quota_exceeded", False))
 print(json.dumps({"tier": result.tier, "isolation": result.isolation, "stderr": result.stderr[-2000:],
                   "attacks": json.loads(result.stdout.splitlines()[0]) if result.stdout else {},
                   "outside": outside}))
