@@ -8,6 +8,7 @@ import contextlib
 import functools
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -59,3 +60,9 @@ def delegated_cgroups(uid: int = NON_ROOT_UID) -> Iterator[list[str]]:
 def reachable_by_other_uids(path: str) -> bool:
     """Whether every directory above `path` lets other uids through (a pyenv under a 0700 /root does not)."""
     return all(parent.stat().st_mode & 0o001 for parent in Path(path).parents)
+
+
+def landlock_python() -> str | None:
+    """An interpreter a root caller's Landlock tier accepts: one a per-run uid can reach (that tier refuses to run
+    code as uid 0), this one where it can, else the system Python."""
+    return sys.executable if reachable_by_other_uids(sys.executable) else SYSTEM_PYTHON

@@ -28,8 +28,8 @@ from helpers.sandbox_users import (
     SETPRIV,
     SYSTEM_PYTHON,
     delegated_cgroups,
+    landlock_python,
     package_for_any_user,
-    reachable_by_other_uids,
 )
 
 pytestmark = [
@@ -297,9 +297,7 @@ def _run_battery(configuration: str) -> dict | str:
         pytest.skip(f"this kernel's Landlock ABI {landlock.abi()} cannot scope signals (6+): no Landlock tier")
     if os.geteuid() != 0 or SETPRIV is None or SYSTEM_PYTHON is None:
         pytest.skip("the trainer's rlimits and a non-root caller need root, setpriv and a system Python")
-    # The Landlock tier refuses to run code as root, so as root it needs an interpreter other uids can reach.
-    python = sys.executable if (tier == "auto" and not non_root) or reachable_by_other_uids(sys.executable) \
-        else SYSTEM_PYTHON
+    python = SYSTEM_PYTHON if non_root else sys.executable if tier == "auto" else landlock_python()
     arguments = [python, "-c", _TRAINER, tier, _ATTACKS]
     env = dict(os.environ, PYTHONPATH=package_for_any_user() if non_root else str(REPO))
     with _hugetlb_pool(), contextlib.ExitStack() as stack:

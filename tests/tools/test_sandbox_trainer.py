@@ -19,7 +19,7 @@ from functools import cache
 import pytest
 
 from helpers.paths import REPO
-from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, delegated_cgroups, package_for_any_user
+from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, delegated_cgroups, landlock_python, package_for_any_user
 
 pytestmark = [
     pytest.mark.slow,
@@ -227,8 +227,9 @@ def _run_battery(configuration: str) -> dict | str:
             completed = subprocess.run([*as_user, SYSTEM_PYTHON, *arguments], capture_output=True, text=True,
                                        timeout=300, env=env, cwd="/")
     else:
-        completed = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=300,
-                                   env=env, cwd="/")
+        python = landlock_python() if tier == "landlock" else sys.executable  # that tier never runs code as root
+        completed = subprocess.run([python, *arguments], capture_output=True, text=True, timeout=300, env=env,
+                                   cwd="/")
     if completed.returncode != 0:
         return f"the stand-in trainer failed: {completed.stdout[-2000:]}{completed.stderr[-3000:]}"
     battery = json.loads(completed.stdout.splitlines()[-1])
