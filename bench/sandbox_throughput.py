@@ -8,9 +8,11 @@ the package. Each round runs both sandboxes back to back (`harness.alternating_b
 machine hits them alike. The rows name the tier this checkout's sandbox ran in.
 
     python bench/sandbox_throughput.py [--runs-per-round 10] [--rounds 5] [--base main] [--clock wall|cpu]
+                                       [--python /usr/bin/python3]
 
 `--clock cpu` times each batch by CPU seconds (this process and the runs it reaped) instead of wall time: on a
-machine loaded by other jobs, wall time mostly measures the wait for a core.
+machine loaded by other jobs, wall time mostly measures the wait for a core. `--python` is the interpreter every
+sandbox runs the program with: root's Landlock tier refuses one a per-run uid cannot reach (a pyenv under /root).
 """
 
 from __future__ import annotations
@@ -58,18 +60,20 @@ def cpu_seconds() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def measure(base: str, runs_per_round: int, rounds: int, clock: str = "wall") -> list[dict[str, object]]:
+def measure(base: str, runs_per_round: int, rounds: int, clock: str = "wall",
+            python: str = sys.executable) -> list[dict[str, object]]:
     with tempfile.TemporaryDirectory(prefix="copes-bench-sandbox-") as folder:
         base_module = sandbox_module_from_git(base, Path(folder))
         # (name, the base row it is compared with) -> sandbox; a base without tiers has the namespaces tier only.
-        sandboxes = {(base, base): base_module.PythonSandbox(), ("this", base): PythonSandbox()}
+        sandboxes = {(base, base): base_module.PythonSandbox(python=python),
+                     ("this", base): PythonSandbox(python=python)}
         if landlock.abi():
             base_landlock = f"{base}, tier=landlock"
             if "landlock" in getattr(base_module.runner, "TIERS", ()):
-                sandboxes[(base_landlock, base_landlock)] = base_module.PythonSandbox(tier="landlock")
+                sandboxes[(base_landlock, base_landlock)] = base_module.PythonSandbox(tier="landlock", python=python)
             else:
                 base_landlock = base
-            sandboxes[("this, tier=landlock", base_landlock)] = PythonSandbox(tier="landlock")
+            sandboxes[("this, tier=landlock", base_landlock)] = PythonSandbox(tier="landlock", python=python)
         tiers = {}
         for (name, _), sandbox in sandboxes.items():
             result = sandbox.run(TRIVIAL_PROGRAM)
@@ -98,8 +102,9 @@ def main() -> None:
     parser.add_argument("--base", default="main", help="git revision whose sandbox is the baseline")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall time, or CPU seconds of this process and the runs (for a loaded machine)")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter the sandboxes run the program with")
     args = parser.parse_args()
-    rows = measure(args.base, args.runs_per_round, args.rounds, args.clock)
+    rows = measure(args.base, args.runs_per_round, args.rounds, args.clock, args.python)
     report("sandbox_throughput", rows, f"Sandbox throughput, trivial program ({machine_note()})")
 
 
