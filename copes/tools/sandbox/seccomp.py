@@ -12,12 +12,19 @@ Denied with EPERM, in both tiers:
   F_SETPIPE_SZ (the uid's pipe pages are shared with the trainer), and every byte-range lock command, plus flock:
   locks on the shared read-only bound inodes are a channel between concurrent runs.
 - Page-cache control and inspection: fadvise64 POSIX_FADV_DONTNEED, madvise MADV_COLD/MADV_PAGEOUT, mincore and
-  cachestat (evicting or probing the cache of shared files is a channel, and drops the trainer's cached pages).
+  cachestat (evicting or probing the cache of shared files is a channel, and drops the trainer's cached pages),
+  process_madvise (MADV_PAGEOUT by another call), preadv2/pwritev2 with RWF_NOWAIT (EAGAIN tells an uncached page).
+- Host-wide quotas no cgroup here counts: io_setup (the host's AIO contexts, fs.aio-max-nr), mmap MAP_HUGETLB,
+  memfd_create MFD_HUGETLB and shmget SHM_HUGETLB (the hugetlb pool); sysinfo (the host's thread count, a channel
+  between concurrent runs).
 - socket(AF_VSOCK): vsock ignores network namespaces.
 The Landlock tier (no namespaces) also denies what the private network and IPC namespaces would contain: `socket`
 (every family), `connect`, `socketpair` other than SOCK_STREAM (a datagram socket can `sendto` any host pathname
-socket), the System V IPC lookups and every call that takes an IPC id, and every POSIX message queue call. System
-calls of a foreign ABI (i386 or x32 on x86_64) are denied as a whole.
+socket), the System V IPC lookups and every call that takes an IPC id, and every POSIX message queue call; what
+Landlock does not hook: every call that changes a file's mode, owner, times or extended attributes (chmod, chown,
+utimensat, setxattr, ... and their fd forms: Landlock lets the run open bound files for reading, which the fd forms
+would then change), and statfs/fstatfs (the shared /dev/shm's free space is a channel between runs). System calls
+of a foreign ABI (i386 or x32 on x86_64) are denied as a whole.
 
 `probe()` checks from inside that the filter answers: it makes each denied call with arguments the kernel itself
 would reject differently (EINVAL, EFAULT, EBADF, ESRCH), so a working filter is told apart from a missing one and a
