@@ -6,13 +6,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from helpers.paths import REPO
 
@@ -66,3 +70,38 @@ def landlock_python() -> str | None:
     """An interpreter a root caller's Landlock tier accepts: one a per-run uid can reach (that tier refuses to run
     code as uid 0), this one where it can, else the system Python."""
     return sys.executable if reachable_by_other_uids(sys.executable) else SYSTEM_PYTHON
+
+
+# The callers a stand-in trainer runs as: name -> (non-root, tier).
+TRAINER_CONFIGURATIONS = {
+    "root, namespaces tier": (False, "auto"),
+    "root, Landlock tier": (False, "landlock"),
+    "non-root, namespaces tier": (True, "auto"),
+    "non-root, Landlock tier": (True, "landlock"),
+}
+
+
+def run_stand_in_trainer(configuration: str, script: str, arguments: list[str],
+                         preexec_fn: Callable[[], None] | None = None) -> dict | str:
+    """Run `script` (`python -c script TIER *arguments`) as the configuration's caller, in delegated cgroups when
+    not root; returns the JSON of its last line (with "tier" and "attacks"), or why it failed. Skips where the
+    configuration cannot be had."""
+    from copes.tools.sandbox import landlock
+
+    non_root, tier = TRAINER_CONFIGURATIONS[configuration]
+    if tier == "landlock" and landlock.abi() < 6:
+        pytest.skip(f"this kernel's Landlock ABI {landlock.abi()} cannot scope signals (6+): no Landlock tier")
+    if non_root and (os.geteuid() != 0 or SETPRIV is None or SYSTEM_PYTHON is None):
+        pytest.skip("a non-root caller needs root to switch to it, setpriv and a system Python")
+    python = SYSTEM_PYTHON if non_root else landlock_python() if tier == "landlock" else sys.executable
+    env = dict(os.environ, PYTHONPATH=package_for_any_user() if non_root else str(REPO))
+    with contextlib.ExitStack() as stack:
+        prefix = stack.enter_context(delegated_cgroups()) if non_root else []
+        completed = subprocess.run([*prefix, python, "-c", script, tier, *arguments], capture_output=True,
+                                   text=True, timeout=300, env=env, cwd="/", preexec_fn=preexec_fn)
+    if completed.returncode != 0:
+        return f"the stand-in trainer failed: {completed.stdout[-2000:]}{completed.stderr[-3000:]}"
+    battery = json.loads(completed.stdout.splitlines()[-1])
+    if battery["tier"] != ("landlock" if tier == "landlock" else "namespaces") or not battery["attacks"]:
+        return f"the attacks did not run in the {tier} tier: {battery}"
+    return battery

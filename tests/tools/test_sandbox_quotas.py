@@ -12,24 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import resource
-import subprocess
-import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 import pytest
 
-from helpers.paths import REPO
 from helpers.sandbox_users import (
-    SETPRIV,
-    SYSTEM_PYTHON,
-    delegated_cgroups,
-    landlock_python,
-    package_for_any_user,
+    TRAINER_CONFIGURATIONS,
+    run_stand_in_trainer,
 )
 
 pytestmark = [
@@ -246,12 +239,6 @@ print(json.dumps({"tier": result.tier, "isolation": result.isolation, "stderr": 
                   "outside": outside}))
 '''
 
-CONFIGURATIONS = {
-    "root, namespaces tier": (False, "auto"),
-    "root, Landlock tier": (False, "landlock"),
-    "non-root, namespaces tier": (True, "auto"),
-    "non-root, Landlock tier": (True, "landlock"),
-}
 HUGE_PAGES = 2  # the pool the trainer's machine has (2 MiB pages), made where there is none
 
 
@@ -282,6 +269,7 @@ def _privileged_scheduling() -> None:
 
 
 def _battery(configuration: str) -> dict:
+    """What the stand-in trainer saw (once per configuration; a failed run fails each of its tests)."""
     outcome = _run_battery(configuration)
     if isinstance(outcome, str):
         pytest.fail(outcome)
@@ -290,29 +278,13 @@ def _battery(configuration: str) -> dict:
 
 @cache
 def _run_battery(configuration: str) -> dict | str:
-    from copes.tools.sandbox import landlock
-
-    non_root, tier = CONFIGURATIONS[configuration]
-    if tier == "landlock" and landlock.abi() < 6:
-        pytest.skip(f"this kernel's Landlock ABI {landlock.abi()} cannot scope signals (6+): no Landlock tier")
-    if os.geteuid() != 0 or SETPRIV is None or SYSTEM_PYTHON is None:
-        pytest.skip("the trainer's rlimits and a non-root caller need root, setpriv and a system Python")
-    python = SYSTEM_PYTHON if non_root else sys.executable if tier == "auto" else landlock_python()
-    arguments = [python, "-c", _TRAINER, tier, _ATTACKS]
-    env = dict(os.environ, PYTHONPATH=package_for_any_user() if non_root else str(REPO))
-    with _hugetlb_pool(), contextlib.ExitStack() as stack:
-        prefix = stack.enter_context(delegated_cgroups()) if non_root else []
-        completed = subprocess.run([*prefix, *arguments], capture_output=True, text=True, timeout=300, env=env,
-                                   cwd="/", preexec_fn=_privileged_scheduling)
-    if completed.returncode != 0:
-        return f"the stand-in trainer failed: {completed.stdout[-2000:]}{completed.stderr[-3000:]}"
-    battery = json.loads(completed.stdout.splitlines()[-1])
-    if battery["tier"] != ("landlock" if tier == "landlock" else "namespaces") or not battery["attacks"]:
-        return f"the attacks did not run in the {tier} tier: {battery}"
-    return battery
+    if os.geteuid() != 0:
+        pytest.skip("the trainer's nice -5 and a hugetlb pool need root")
+    with _hugetlb_pool():
+        return run_stand_in_trainer(configuration, _TRAINER, [_ATTACKS], preexec_fn=_privileged_scheduling)
 
 
-configurations = pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
+configurations = pytest.mark.parametrize("configuration", list(TRAINER_CONFIGURATIONS))
 DENIED = errno.errorcode[errno.EPERM]
 
 

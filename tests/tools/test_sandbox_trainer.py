@@ -10,16 +10,12 @@ in both tiers, as root and as a non-root caller.
 from __future__ import annotations
 
 import errno
-import json
 import os
-import subprocess
-import sys
 from functools import cache
 
 import pytest
 
-from helpers.paths import REPO
-from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, delegated_cgroups, landlock_python, package_for_any_user
+from helpers.sandbox_users import TRAINER_CONFIGURATIONS, run_stand_in_trainer
 
 pytestmark = [
     pytest.mark.slow,
@@ -194,14 +190,6 @@ print(json.dumps({"tier": result.tier, "isolation": result.isolation, "stderr": 
                   "linked": linked.stdout}))
 '''
 
-CONFIGURATIONS = {
-    "root, namespaces tier": (False, "auto"),
-    "root, Landlock tier": (False, "landlock"),
-    "non-root, namespaces tier": (True, "auto"),
-    "non-root, Landlock tier": (True, "landlock"),
-}
-
-
 def _battery(configuration: str) -> dict:
     """What the stand-in trainer saw in this configuration; it runs once per configuration (seconds each), and a
     failed run fails every test of that configuration without running again."""
@@ -213,32 +201,11 @@ def _battery(configuration: str) -> dict:
 
 @cache
 def _run_battery(configuration: str) -> dict | str:
-    from copes.tools.sandbox import landlock
-
-    non_root, tier = CONFIGURATIONS[configuration]
-    if tier == "landlock" and landlock.abi() < 6:
-        pytest.skip(f"this kernel's Landlock ABI {landlock.abi()} cannot scope signals (6+): no Landlock tier")
-    if non_root and (os.geteuid() != 0 or SETPRIV is None or SYSTEM_PYTHON is None):
-        pytest.skip("a non-root caller needs root to switch to it, setpriv and a system Python")
-    arguments = ["-c", _TRAINER, tier, _ATTACKS, "1" if non_root else "0"]
-    env = dict(os.environ, PYTHONPATH=package_for_any_user() if non_root else str(REPO))
-    if non_root:
-        with delegated_cgroups() as as_user:
-            completed = subprocess.run([*as_user, SYSTEM_PYTHON, *arguments], capture_output=True, text=True,
-                                       timeout=300, env=env, cwd="/")
-    else:
-        python = landlock_python() if tier == "landlock" else sys.executable  # that tier never runs code as root
-        completed = subprocess.run([python, *arguments], capture_output=True, text=True, timeout=300, env=env,
-                                   cwd="/")
-    if completed.returncode != 0:
-        return f"the stand-in trainer failed: {completed.stdout[-2000:]}{completed.stderr[-3000:]}"
-    battery = json.loads(completed.stdout.splitlines()[-1])
-    if battery["tier"] != ("landlock" if tier == "landlock" else "namespaces") or not battery["attacks"]:
-        return f"the attacks did not run in the {tier} tier: {battery}"
-    return battery
+    non_root = TRAINER_CONFIGURATIONS[configuration][0]
+    return run_stand_in_trainer(configuration, _TRAINER, [_ATTACKS, "1" if non_root else "0"])
 
 
-configurations = pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
+configurations = pytest.mark.parametrize("configuration", list(TRAINER_CONFIGURATIONS))
 DENIED = errno.errorcode[errno.EPERM]
 
 
