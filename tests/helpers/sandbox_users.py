@@ -81,11 +81,21 @@ TRAINER_CONFIGURATIONS = {
 }
 
 
-def run_stand_in_trainer(configuration: str, script: str, arguments: list[str],
-                         preexec_fn: Callable[[], None] | None = None) -> dict | str:
+def stand_in_battery(configuration: str, script: str, arguments: tuple[str, ...] = (),
+                     preexec_fn: Callable[[], None] | None = None) -> dict:
+    """What a stand-in trainer saw: `script` run once per configuration and arguments (seconds each; a failed run
+    fails every test that asks for it without running again). Skips where the configuration cannot be had."""
+    outcome = _run_stand_in_trainer(configuration, script, arguments, preexec_fn)
+    if isinstance(outcome, str):
+        pytest.fail(outcome)
+    return outcome
+
+
+@functools.cache
+def _run_stand_in_trainer(configuration: str, script: str, arguments: tuple[str, ...],
+                          preexec_fn: Callable[[], None] | None) -> dict | str:
     """Run `script` (`python -c script TIER *arguments`) as the configuration's caller, in delegated cgroups when
-    not root; returns the JSON of its last line (with "tier" and "attacks"), or why it failed. Skips where the
-    configuration cannot be had."""
+    not root; returns the JSON of its last line (with "tier" and "attacks"), or why it failed."""
     from copes.tools.sandbox import landlock
 
     non_root, tier = TRAINER_CONFIGURATIONS[configuration]

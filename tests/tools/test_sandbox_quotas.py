@@ -15,14 +15,13 @@ import errno
 import os
 import resource
 from collections.abc import Iterator
-from functools import cache
 from pathlib import Path
 
 import pytest
 
 from helpers.sandbox_users import (
     TRAINER_CONFIGURATIONS,
-    run_stand_in_trainer,
+    stand_in_battery,
 )
 
 pytestmark = [
@@ -242,9 +241,9 @@ print(json.dumps({"tier": result.tier, "isolation": result.isolation, "stderr": 
 HUGE_PAGES = 2  # the pool the trainer's machine has (2 MiB pages), made where there is none
 
 
-@contextlib.contextmanager
+@pytest.fixture(scope="module", autouse=True)
 def _hugetlb_pool() -> Iterator[None]:
-    """A pool of HUGE_PAGES pages for the battery's run (root only; put back as it was afterwards)."""
+    """A pool of HUGE_PAGES pages while the battery runs (root only; put back as it was afterwards)."""
     path = Path("/proc/sys/vm/nr_hugepages")
     before = path.read_text().strip()
     made = False
@@ -262,26 +261,15 @@ def _hugetlb_pool() -> Iterator[None]:
 def _privileged_scheduling() -> None:
     """What a trainer started by a generous service manager has: nice -5 and, where this root may raise hard
     limits (CAP_SYS_RESOURCE), real-time priority and nice -20 allowed by its rlimits."""
-    os.setpriority(os.PRIO_PROCESS, 0, -5)
+    with contextlib.suppress(OSError):  # CAP_SYS_NICE
+        os.setpriority(os.PRIO_PROCESS, 0, -5)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_RTPRIO, (50, 50))
         resource.setrlimit(resource.RLIMIT_NICE, (40, 40))
 
 
 def _battery(configuration: str) -> dict:
-    """What the stand-in trainer saw (once per configuration; a failed run fails each of its tests)."""
-    outcome = _run_battery(configuration)
-    if isinstance(outcome, str):
-        pytest.fail(outcome)
-    return outcome
-
-
-@cache
-def _run_battery(configuration: str) -> dict | str:
-    if os.geteuid() != 0:
-        pytest.skip("the trainer's nice -5 and a hugetlb pool need root")
-    with _hugetlb_pool():
-        return run_stand_in_trainer(configuration, _TRAINER, [_ATTACKS], preexec_fn=_privileged_scheduling)
+    return stand_in_battery(configuration, _TRAINER, (_ATTACKS,), preexec_fn=_privileged_scheduling)
 
 
 configurations = pytest.mark.parametrize("configuration", list(TRAINER_CONFIGURATIONS))

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import errno
 import os
-from functools import cache
 
 import pytest
 
-from helpers.sandbox_users import TRAINER_CONFIGURATIONS, run_stand_in_trainer
+from helpers.sandbox_users import TRAINER_CONFIGURATIONS, stand_in_battery
 
 pytestmark = [
     pytest.mark.slow,
@@ -191,18 +190,8 @@ print(json.dumps({"tier": result.tier, "isolation": result.isolation, "stderr": 
 '''
 
 def _battery(configuration: str) -> dict:
-    """What the stand-in trainer saw in this configuration; it runs once per configuration (seconds each), and a
-    failed run fails every test of that configuration without running again."""
-    outcome = _run_battery(configuration)
-    if isinstance(outcome, str):
-        pytest.fail(outcome)
-    return outcome
-
-
-@cache
-def _run_battery(configuration: str) -> dict | str:
     non_root = TRAINER_CONFIGURATIONS[configuration][0]
-    return run_stand_in_trainer(configuration, _TRAINER, [_ATTACKS, "1" if non_root else "0"])
+    return stand_in_battery(configuration, _TRAINER, (_ATTACKS, "1" if non_root else "0"))
 
 
 configurations = pytest.mark.parametrize("configuration", list(TRAINER_CONFIGURATIONS))
