@@ -72,6 +72,26 @@ def landlock_python() -> str | None:
     return sys.executable if reachable_by_other_uids(sys.executable) else SYSTEM_PYTHON
 
 
+# The start of an attack script the sandbox runs: `attempt(name, action)` records in `seen` "reached" or the name of
+# the errno that stopped it; `check` turns a raw call's failure (-1, or MAP_FAILED) into that errno.
+ATTEMPTS = r'''
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+seen = {}
+
+def check(result):
+    if result in (-1, 0xFFFFFFFFFFFFFFFF):
+        raise OSError(ctypes.get_errno(), "")
+    return result
+
+def attempt(name, action):
+    try:
+        action()
+        seen[name] = "reached"
+    except OSError as error:
+        seen[name] = errno.errorcode.get(error.errno, str(error.errno))
+'''
+
 # The callers a stand-in trainer runs as: name -> (non-root, tier).
 TRAINER_CONFIGURATIONS = {
     "root, namespaces tier": (False, "auto"),

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers.sandbox_users import (
+    ATTEMPTS,
     TRAINER_CONFIGURATIONS,
     stand_in_battery,
 )
@@ -31,22 +32,9 @@ pytestmark = [
 
 # What the run tries; each outcome is "reached" or the errno's name. It then holds what it took for a while, so the
 # trainer's sampling thread sees it.
-_ATTACKS = r'''
-import ctypes, errno, json, mmap, os, signal, time
-libc = ctypes.CDLL(None, use_errno=True)
-seen, held = {}, []
-
-def check(result):
-    if result == -1:
-        raise OSError(ctypes.get_errno(), "")
-    return result
-
-def attempt(name, action):
-    try:
-        action()
-        seen[name] = "reached"
-    except OSError as error:
-        seen[name] = errno.errorcode.get(error.errno, str(error.errno))
+_ATTACKS = ATTEMPTS + r'''
+import mmap, signal, time
+held = []
 
 def aio_contexts():  # every AIO context of the host (fs.aio-max-nr)
     taken = 0

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from helpers.sandbox_users import TRAINER_CONFIGURATIONS, stand_in_battery
+from helpers.sandbox_users import ATTEMPTS, TRAINER_CONFIGURATIONS, stand_in_battery
 
 pytestmark = [
     pytest.mark.slow,
@@ -22,23 +22,10 @@ pytestmark = [
 ]
 
 # What the run tries; each outcome is printed as "reached" or the errno's name.
-_ATTACKS = r'''
-import ctypes, errno, fcntl, json, mmap, os, socket
-libc = ctypes.CDLL(None, use_errno=True)
+_ATTACKS = ATTEMPTS + r'''
+import fcntl, mmap, socket
 libc.shmat.restype = ctypes.c_void_p
 libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-seen = {}
-
-def check(result):
-    if result in (-1, 0xFFFFFFFFFFFFFFFF):
-        raise OSError(ctypes.get_errno(), "")
-
-def attempt(name, action):
-    try:
-        action()
-        seen[name] = "reached"
-    except OSError as error:
-        seen[name] = errno.errorcode.get(error.errno, str(error.errno))
 
 class Limit(ctypes.Structure):
     _fields_ = [("current", ctypes.c_uint64), ("maximum", ctypes.c_uint64)]
