@@ -14,7 +14,11 @@ import contextlib
 import errno
 import os
 import resource
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,7 @@ import pytest
 from helpers.sandbox_users import (
     ATTEMPTS,
     TRAINER_CONFIGURATIONS,
+    landlock_python,
     stand_in_battery,
 )
 
@@ -360,3 +365,32 @@ def test_the_work_dir_is_bounded_while_the_run_lives(configuration: str) -> None
     assert outside["shm_peak_bytes"] < (32 + 48) << 20, outside
     if battery["tier"] == "landlock":
         assert outside["disk_quota_exceeded"] and battery["attacks"]["statvfs"] == DENIED, battery
+
+
+def test_the_landlock_tier_admits_only_the_runs_dev_shm_can_hold() -> None:
+    """The Landlock tier's work dirs share the host's /dev/shm, and it admitted runs whose max_disk_bytes together
+    outgrew it: each run now reserves its quota until its work dir is removed, and a run /dev/shm cannot hold is
+    refused in one line, before its code starts."""
+    from copes.tools import PythonSandbox, SandboxUnavailable
+    from copes.tools.sandbox import landlock
+    from copes.tools.sandbox.runner import remove_later
+
+    if landlock.abi() < 6:
+        pytest.skip("this kernel has no Landlock tier (ABI 6+)")
+    disk = os.statvfs("/dev/shm")
+    most = disk.f_bavail * disk.f_frsize * 3 // 5  # two runs of this size cannot both fit
+    python = landlock_python() if os.geteuid() == 0 else sys.executable
+    holder = PythonSandbox(tier="landlock", python=python, max_disk_bytes=most, timeout_s=20.0)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        held = pool.submit(holder.run, "import time\nopen('started', 'w').close()\ntime.sleep(4)\n")
+        deadline = time.monotonic() + 15
+        while not any(name.startswith("copes_sandbox_") and os.path.exists(f"/dev/shm/{name}/started")
+                      for name in os.listdir("/dev/shm")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(SandboxUnavailable) as refused:
+            holder.run("print('ran')")
+        assert held.result().exit_status == 0
+    (line,) = str(refused.value).splitlines()
+    assert "disk (no: /dev/shm has" in line and "the caller's other runs may hold there" in line, line
+    remove_later(tempfile.mkdtemp()).result()  # the holder's work dir was queued before: removed by now
+    assert holder.run("print('ran')").stdout == "ran\n", "a removed work dir gives its room back"
