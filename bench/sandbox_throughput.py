@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from copes.tools import PythonSandbox
+from copes.tools import PythonSandbox, SandboxUnavailable
 from copes.tools.sandbox import landlock
 
 from common.harness import alternating_best_seconds, machine_note, report
@@ -60,6 +60,18 @@ def cpu_seconds() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
+def landlock_refused(python: str) -> str | None:
+    """Why this checkout's Landlock tier would not run `python` here (no Landlock; as root, an interpreter a per-run
+    uid cannot reach), or None."""
+    if not landlock.abi():
+        return "this kernel has no Landlock"
+    try:
+        PythonSandbox(tier="landlock", python=python).check()
+    except SandboxUnavailable as error:
+        return f"{error} (pass --python an interpreter other uids can reach)"
+    return None
+
+
 def measure(base: str, runs_per_round: int, rounds: int, clock: str = "wall",
             python: str = sys.executable) -> list[dict[str, object]]:
     with tempfile.TemporaryDirectory(prefix="copes-bench-sandbox-") as folder:
@@ -67,7 +79,10 @@ def measure(base: str, runs_per_round: int, rounds: int, clock: str = "wall",
         # (name, the base row it is compared with) -> sandbox; a base without tiers has the namespaces tier only.
         sandboxes = {(base, base): base_module.PythonSandbox(python=python),
                      ("this", base): PythonSandbox(python=python)}
-        if landlock.abi():
+        refused = landlock_refused(python)
+        if refused:
+            print(f"no Landlock rows: {refused}", file=sys.stderr)
+        else:
             base_landlock = f"{base}, tier=landlock"
             if "landlock" in getattr(base_module.runner, "TIERS", ()):
                 sandboxes[(base_landlock, base_landlock)] = base_module.PythonSandbox(tier="landlock", python=python)
