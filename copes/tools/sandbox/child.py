@@ -454,9 +454,12 @@ def _set_rlimits(limits: RlimitConfig) -> bool:
 
 
 def _ordinary_scheduling() -> None:
-    """SCHED_OTHER at nice 0 or weaker: a trainer running real-time or at a negative nice must not hand that to
-    the run (its processes inherit the bootstrap's). Lowering one's own priority needs no privilege."""
-    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    """No real-time policy and a nice of 0 or weaker: a trainer running real-time or at a negative nice must not
+    hand that to the run (its processes inherit the bootstrap's). Lowering one's own priority needs no privilege
+    (SCHED_IDLE and SCHED_BATCH stay: leaving SCHED_IDLE would raise it)."""
+    policy = os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK
+    if policy not in (os.SCHED_OTHER, os.SCHED_BATCH, os.SCHED_IDLE):
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     if os.getpriority(os.PRIO_PROCESS, 0) < 0:
         os.setpriority(os.PRIO_PROCESS, 0, 0)
 
