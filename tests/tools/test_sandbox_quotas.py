@@ -400,3 +400,70 @@ def test_the_landlock_tier_admits_only_the_runs_dev_shm_can_hold() -> None:
     assert "disk (no: /dev/shm has" in line and "the caller's other runs may hold there" in line, line
     remove_later(tempfile.mkdtemp()).result()  # the holder's work dir was queued before: removed by now
     assert holder.run("print('ran')").stdout == "ran\n", "a removed work dir gives its room back"
+
+
+# A non-root trainer whose RLIMIT_NPROC leaves it 40 tasks: a run that may fork 66 must not start (its processes
+# would count against the trainer's uid); one with room for it runs its fork bomb, and the trainer's own forks, tried
+# while each run lives, never fail.
+_PROCESS_QUOTA_TRAINER = r'''
+import json, os, resource, sys, threading, time
+from copes.tools import PythonSandbox, SandboxUnavailable
+tier = sys.argv[1]
+bomb = ("import os, time\nchildren = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(30)\n"
+        "            os._exit(0)\n        children += 1\nexcept OSError:\n    print(children, flush=True)\n"
+        "time.sleep(1.5)\n")
+
+def tasks_of_my_uid():
+    tasks = 0
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == os.getuid():
+                tasks += int(open(f"/proc/{entry.name}/stat").read().rsplit(")", 1)[1].split()[17])
+        except (OSError, ValueError):
+            pass
+    return tasks
+
+failed_forks = 0
+
+def fork_now_and_then(stop):
+    global failed_forks
+    while not stop.is_set():
+        try:
+            pid = os.fork()
+        except OSError:
+            failed_forks += 1
+        else:
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+        time.sleep(0.02)
+
+outcomes = {}
+for label, room in (("tight", 40), ("roomy", 200)):
+    hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    resource.setrlimit(resource.RLIMIT_NPROC, (tasks_of_my_uid() + room, hard))
+    stop = threading.Event()
+    forker = threading.Thread(target=fork_now_and_then, args=(stop,))
+    forker.start()
+    try:
+        result = PythonSandbox(timeout_s=20.0, tier=tier, max_processes=64).run(bomb)
+        outcomes[label] = {"tier": result.tier, "stdout": result.stdout, "stderr": result.stderr[-500:]}
+    except SandboxUnavailable as error:
+        outcomes[label] = {"refused": str(error)}
+    finally:
+        stop.set()
+        forker.join()
+    resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
+print(json.dumps({"tier": outcomes["roomy"].get("tier"), "attacks": outcomes, "failed_forks": failed_forks}))
+'''
+
+
+@pytest.mark.parametrize("configuration", [name for name in TRAINER_CONFIGURATIONS if name.startswith("non-root")])
+def test_a_run_never_takes_the_callers_last_processes(configuration: str) -> None:
+    """A non-root caller's run counts against the caller's own RLIMIT_NPROC (its uid's tasks): 59 children of a run
+    left the trainer's next fork with EAGAIN (round 3's open class). A run that could do that is now refused."""
+    battery = stand_in_battery(configuration, _PROCESS_QUOTA_TRAINER)
+    tight, roomy = battery["attacks"]["tight"], battery["attacks"]["roomy"]
+    assert battery["failed_forks"] == 0, battery
+    assert "process_limit (no: the caller's uid" in tight.get("refused", ""), tight
+    assert int(roomy["stdout"].split()[0]) >= 60, roomy  # the bomb really ran where there was room

@@ -122,6 +122,8 @@ HOST_COUNTERS = ("loadavg", "stat")
 # Queued signals (real-time ones, and any sent with sigqueue) the whole run may hold: the count is the uid's, so
 # it is the run's share of a non-root trainer's RLIMIT_SIGPENDING. Python's own signal handling queues none.
 PENDING_SIGNALS = 64
+# Tasks a non-root caller keeps of its RLIMIT_NPROC beyond what a run may take: its own next forks and threads.
+CALLER_PROCESS_RESERVE = 8
 EXIT_UNAVAILABLE = 124  # a required protection is missing; the code never ran
 EXIT_SETUP_FAILED = 125
 EXIT_EXEC_FAILED = 127
@@ -222,6 +224,38 @@ def _join_cgroups(config: ChildConfig, report: Report) -> list[str]:
         report.verdict("memory", False, f"cannot join the run's cgroup: {error}")
         report.verdict("process_limit", False, f"cannot join the run's cgroup: {error}")
         return ["memory", "process_limit"]
+
+
+def _caller_process_headroom(config: ChildConfig, report: Report) -> list[str]:
+    """A non-root caller's runs count against its uid's RLIMIT_NPROC, which counts every task of the uid (the
+    trainer's own threads too): a run starts only where its whole pids limit still leaves the caller
+    CALLER_PROCESS_RESERVE, so the trainer's next fork never meets EAGAIN because of it. Returns what failed."""
+    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if os.getuid() == 0 or limit == resource.RLIM_INFINITY or config["cgroup"] is None:
+        return []
+    run_tasks = config["cgroup"]["pids"][2]
+    used = _tasks_of_uid(os.getuid())
+    if limit - used >= run_tasks + CALLER_PROCESS_RESERVE:
+        report.isolation["process_limit"] += (f"; the caller's uid runs {used} of its RLIMIT_NPROC {limit} tasks, "
+                                              f"leaving it room beside the run's {run_tasks}")
+        return []
+    report.verdict("process_limit", False, f"the caller's uid {os.getuid()} runs {used} of its RLIMIT_NPROC "
+                                           f"{limit} tasks (threads included): a run of up to {run_tasks} would "
+                                           f"leave it fewer than {CALLER_PROCESS_RESERVE}; lower max_processes, "
+                                           f"run fewer at once or raise ulimit -u")
+    return ["process_limit"]
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """Threads of every process whose /proc entry `uid` owns (its effective uid), this one included."""
+    tasks = 0
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                tasks += int(open(f"/proc/{entry.name}/stat").read().rsplit(")", 1)[1].split()[17])  # num_threads
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile
+    return tasks
 
 
 def _become_run_user(config: ChildConfig) -> None:
@@ -873,7 +907,7 @@ def main(config: ChildConfig) -> NoReturn:
     with open("/proc/self/oom_score_adj", "w") as file:  # raising it needs no privilege; lowering it does
         file.write(str(OOM_SCORE_ADJ))
     _ordinary_scheduling()
-    missing = _join_cgroups(config, report)
+    missing = _join_cgroups(config, report) + _caller_process_headroom(config, report)
     if config["tier"] == "landlock" or (not _user_namespaces_allowed() and LANDLOCK.abi()):
         _enter_landlock_tier(config, report, missing)
     root_built, root_error = _build_root_as_root(config)
