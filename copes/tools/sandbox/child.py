@@ -463,9 +463,9 @@ def _drop_bounding_set() -> None:
 
 
 def _set_rlimits(limits: RlimitConfig) -> bool:
-    """Set every per-process limit and read them back; True when all hold. None is inherited from the caller:
-    real-time priority and raised nice are 0, and the quotas the kernel keeps per uid (pending signals, locked
-    memory) are capped, so a run never takes the share of the uid a non-root trainer lives on."""
+    """Set every per-process limit and read them back; True when all hold. Not one is inherited from the caller
+    (only a caller's lower hard limit stays): no real-time priority, no lowering of nice, and the quotas the kernel
+    keeps per uid (pending signals, locked memory) capped, so a run never takes the share a non-root trainer needs."""
     wanted = {
         resource.RLIMIT_CPU: (limits["cpu_seconds"], limits["cpu_seconds"] + 1),
         resource.RLIMIT_AS: (limits["memory_bytes"],) * 2,
@@ -791,7 +791,7 @@ def _exec_user_code(config: ChildConfig, report: Report, workdir: str, landlock:
                                               f"{limits['memory_bytes'] >> 20} "
                                         f"MiB, open files {limits['open_files']}, file size "
                                         f"{limits['file_bytes'] >> 20} MiB, core 0, real-time priority 0, "
-                                        f"nice floor 0, locked memory 0, {PENDING_SIGNALS} queued signals")
+                                        f"nice never lowered, locked memory 0, {PENDING_SIGNALS} queued signals")
         try:
             ok = report.verdict("capabilities", True, _drop_capabilities())
         except Refused as error:
