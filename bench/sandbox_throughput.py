@@ -8,9 +8,11 @@ the package. Each round runs both sandboxes back to back (`harness.alternating_b
 machine hits them alike. The rows name the tier this checkout's sandbox ran in.
 
     python bench/sandbox_throughput.py [--runs-per-round 10] [--rounds 5] [--base main] [--clock wall|cpu]
+                                       [--python /usr/bin/python3]
 
 `--clock cpu` times each batch by CPU seconds (this process and the runs it reaped) instead of wall time: on a
-machine loaded by other jobs, wall time mostly measures the wait for a core.
+machine loaded by other jobs, wall time mostly measures the wait for a core. `--python` is the interpreter every
+sandbox runs the program with: root's Landlock tier refuses one a per-run uid cannot reach (a pyenv under /root).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from copes.tools import PythonSandbox
+from copes.tools import PythonSandbox, SandboxUnavailable
 from copes.tools.sandbox import landlock
 
 from common.harness import alternating_best_seconds, machine_note, report
@@ -58,18 +60,35 @@ def cpu_seconds() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def measure(base: str, runs_per_round: int, rounds: int, clock: str = "wall") -> list[dict[str, object]]:
+def landlock_refused(python: str) -> str | None:
+    """Why this checkout's Landlock tier would not run `python` here (no Landlock; as root, an interpreter a per-run
+    uid cannot reach), or None."""
+    if not landlock.abi():
+        return "this kernel has no Landlock"
+    try:
+        PythonSandbox(tier="landlock", python=python).check()
+    except SandboxUnavailable as error:
+        return f"{error} (pass --python an interpreter other uids can reach)"
+    return None
+
+
+def measure(base: str, runs_per_round: int, rounds: int, clock: str = "wall",
+            python: str = sys.executable) -> list[dict[str, object]]:
     with tempfile.TemporaryDirectory(prefix="copes-bench-sandbox-") as folder:
         base_module = sandbox_module_from_git(base, Path(folder))
         # (name, the base row it is compared with) -> sandbox; a base without tiers has the namespaces tier only.
-        sandboxes = {(base, base): base_module.PythonSandbox(), ("this", base): PythonSandbox()}
-        if landlock.abi():
+        sandboxes = {(base, base): base_module.PythonSandbox(python=python),
+                     ("this", base): PythonSandbox(python=python)}
+        refused = landlock_refused(python)
+        if refused:
+            print(f"no Landlock rows: {refused}", file=sys.stderr)
+        else:
             base_landlock = f"{base}, tier=landlock"
             if "landlock" in getattr(base_module.runner, "TIERS", ()):
-                sandboxes[(base_landlock, base_landlock)] = base_module.PythonSandbox(tier="landlock")
+                sandboxes[(base_landlock, base_landlock)] = base_module.PythonSandbox(tier="landlock", python=python)
             else:
                 base_landlock = base
-            sandboxes[("this, tier=landlock", base_landlock)] = PythonSandbox(tier="landlock")
+            sandboxes[("this, tier=landlock", base_landlock)] = PythonSandbox(tier="landlock", python=python)
         tiers = {}
         for (name, _), sandbox in sandboxes.items():
             result = sandbox.run(TRIVIAL_PROGRAM)
@@ -98,8 +117,9 @@ def main() -> None:
     parser.add_argument("--base", default="main", help="git revision whose sandbox is the baseline")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall time, or CPU seconds of this process and the runs (for a loaded machine)")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter the sandboxes run the program with")
     args = parser.parse_args()
-    rows = measure(args.base, args.runs_per_round, args.rounds, args.clock)
+    rows = measure(args.base, args.runs_per_round, args.rounds, args.clock, args.python)
     report("sandbox_throughput", rows, f"Sandbox throughput, trivial program ({machine_note()})")
 
 

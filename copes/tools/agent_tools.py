@@ -110,6 +110,9 @@ class PythonTool:
         elif result.cpu_budget_exceeded:
             parts.append(f"Error: the program's processes used up the run's CPU budget of "
                          f"{self.sandbox.run_cpu_seconds}s together; the program was killed.")
+        elif result.disk_quota_exceeded:
+            parts.append(f"Error: the program's files and shared memory outgrew the work dir's "
+                         f"{self.sandbox.max_disk_bytes} bytes; the program was killed.")
         elif result.exit_status < 0:
             killed_by = _signal_name(-result.exit_status)
             why = {"SIGXCPU": f" (CPU limit of {self.sandbox.cpu_seconds}s)", "SIGKILL": ""}.get(killed_by, "")

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from copes.tools import PythonSandbox, SandboxResult
+from copes.tools import PythonSandbox, SandboxResult, SandboxUnavailable
 
 from helpers.paths import REPO
-from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, delegated_cgroups, package_for_any_user
+from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, delegated_cgroups, landlock_python, package_for_any_user
 
 # What the code prints: where its interpreter thinks it lives, and whether the prefix's other files are there.
 PROBE = (
@@ -167,7 +167,8 @@ def _in_default_container(also_deny: tuple[str, ...]) -> subprocess.CompletedPro
     escapes = _ESCAPES.format(repo=str(REPO), marker=marker)
     script = _DEFAULT_CONTAINER.format(seccomp=seccomp.__file__, also_deny=also_deny) + _RUN_ESCAPES.format(
         escapes=escapes)
-    completed = _trainer([SETPRIV, "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin"], sys.executable,
+    # Root's Landlock tier runs the code as a per-run uid, so it needs an interpreter that uid can reach.
+    completed = _trainer([SETPRIV, "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin"], landlock_python(),
                          script)
     assert not os.path.exists(f"/tmp/{marker}")
     return completed
@@ -218,7 +219,8 @@ def test_the_landlock_tier_can_be_asked_for_and_keeps_the_process_limit() -> Non
         "try:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n            os._exit(0)\n"
         "        children += 1\nexcept OSError as error:\n    print(children, error.errno)\n"
     )
-    result = PythonSandbox(timeout_s=10.0, max_processes=8, tier="landlock").run(code)
+    python = landlock_python() if os.geteuid() == 0 else sys.executable
+    result = PythonSandbox(timeout_s=10.0, max_processes=8, tier="landlock", python=python).run(code)
     assert result.tier == "landlock" and result.stdout == f"7 {errno.EAGAIN}\n", (result.stdout, result.stderr)
     assert not result.timed_out, "the sleeping children die with the run"
     with pytest.raises(ValueError, match="tier"):
@@ -227,9 +229,10 @@ def test_the_landlock_tier_can_be_asked_for_and_keeps_the_process_limit() -> Non
 
 @pytest.mark.skipif(os.geteuid() != 0 or SYSTEM_PYTHON is None, reason="needs root and a system Python")
 def test_root_gets_a_per_run_uid_in_the_landlock_tier_where_the_interpreter_allows() -> None:
-    """Guards #40: the Landlock tier kept root's uid 0, so everything the kernel authorises by uid alone (prlimit,
-    scheduling, System V IPC, leases) treated every root process as the run's own. An interpreter other uids can
-    reach now runs as a per-run uid; one under a 0700 directory keeps uid 0, and the report says why."""
+    """Guards #40 and #56: the Landlock tier kept root's uid 0, so everything the kernel authorises by uid alone
+    (prlimit, scheduling, System V IPC, leases, file modes and times, per-uid quotas) treated every root process and
+    file as the run's own. An interpreter other uids can reach runs as a per-run uid; one under a 0700 directory is
+    refused in one line naming the namespaces tier."""
     from copes.tools.sandbox import landlock
 
     if landlock.abi() < 6:
@@ -242,5 +245,8 @@ def test_root_gets_a_per_run_uid_in_the_landlock_tier_where_the_interpreter_allo
     hidden = next((parent for parent in Path(sys.executable).parents
                    if parent != Path("/") and not parent.stat().st_mode & 0o001), None)
     if hidden is not None:
-        kept = PythonSandbox(tier="landlock").run(code)
-        assert kept.stdout.startswith("0 ") and f"({hidden} is not searchable by other uids)" in kept.isolation["user"]
+        with pytest.raises(SandboxUnavailable) as refused:
+            PythonSandbox(tier="landlock").run(code)
+        (line,) = str(refused.value).splitlines()
+        assert f"user (no: the code would keep uid 0 (the interpreter lies under {hidden}, which other uids " \
+               "cannot search); the Landlock tier never runs code as root: use the namespaces tier" in line, line

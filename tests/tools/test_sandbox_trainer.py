@@ -10,16 +10,11 @@ in both tiers, as root and as a non-root caller.
 from __future__ import annotations
 
 import errno
-import json
 import os
-import subprocess
-import sys
-from functools import cache
 
 import pytest
 
-from helpers.paths import REPO
-from helpers.sandbox_users import SETPRIV, SYSTEM_PYTHON, delegated_cgroups, package_for_any_user
+from helpers.sandbox_users import ATTEMPTS, TRAINER_CONFIGURATIONS, stand_in_battery
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,23 +22,10 @@ pytestmark = [
 ]
 
 # What the run tries; each outcome is printed as "reached" or the errno's name.
-_ATTACKS = r'''
-import ctypes, errno, fcntl, json, mmap, os, socket
-libc = ctypes.CDLL(None, use_errno=True)
+_ATTACKS = ATTEMPTS + r'''
+import fcntl, mmap, socket
 libc.shmat.restype = ctypes.c_void_p
 libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-seen = {}
-
-def check(result):
-    if result in (-1, 0xFFFFFFFFFFFFFFFF):
-        raise OSError(ctypes.get_errno(), "")
-
-def attempt(name, action):
-    try:
-        action()
-        seen[name] = "reached"
-    except OSError as error:
-        seen[name] = errno.errorcode.get(error.errno, str(error.errno))
 
 class Limit(ctypes.Structure):
     _fields_ = [("current", ctypes.c_uint64), ("maximum", ctypes.c_uint64)]
@@ -194,50 +176,12 @@ print(json.dumps({"tier": result.tier, "isolation": result.isolation, "stderr": 
                   "linked": linked.stdout}))
 '''
 
-CONFIGURATIONS = {
-    "root, namespaces tier": (False, "auto"),
-    "root, Landlock tier": (False, "landlock"),
-    "non-root, namespaces tier": (True, "auto"),
-    "non-root, Landlock tier": (True, "landlock"),
-}
-
-
 def _battery(configuration: str) -> dict:
-    """What the stand-in trainer saw in this configuration; it runs once per configuration (seconds each), and a
-    failed run fails every test of that configuration without running again."""
-    outcome = _run_battery(configuration)
-    if isinstance(outcome, str):
-        pytest.fail(outcome)
-    return outcome
+    non_root = TRAINER_CONFIGURATIONS[configuration][0]
+    return stand_in_battery(configuration, _TRAINER, (_ATTACKS, "1" if non_root else "0"))
 
 
-@cache
-def _run_battery(configuration: str) -> dict | str:
-    from copes.tools.sandbox import landlock
-
-    non_root, tier = CONFIGURATIONS[configuration]
-    if tier == "landlock" and landlock.abi() < 6:
-        pytest.skip(f"this kernel's Landlock ABI {landlock.abi()} cannot scope signals (6+): no Landlock tier")
-    if non_root and (os.geteuid() != 0 or SETPRIV is None or SYSTEM_PYTHON is None):
-        pytest.skip("a non-root caller needs root to switch to it, setpriv and a system Python")
-    arguments = ["-c", _TRAINER, tier, _ATTACKS, "1" if non_root else "0"]
-    env = dict(os.environ, PYTHONPATH=package_for_any_user() if non_root else str(REPO))
-    if non_root:
-        with delegated_cgroups() as as_user:
-            completed = subprocess.run([*as_user, SYSTEM_PYTHON, *arguments], capture_output=True, text=True,
-                                       timeout=300, env=env, cwd="/")
-    else:
-        completed = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=300,
-                                   env=env, cwd="/")
-    if completed.returncode != 0:
-        return f"the stand-in trainer failed: {completed.stdout[-2000:]}{completed.stderr[-3000:]}"
-    battery = json.loads(completed.stdout.splitlines()[-1])
-    if battery["tier"] != ("landlock" if tier == "landlock" else "namespaces") or not battery["attacks"]:
-        return f"the attacks did not run in the {tier} tier: {battery}"
-    return battery
-
-
-configurations = pytest.mark.parametrize("configuration", list(CONFIGURATIONS))
+configurations = pytest.mark.parametrize("configuration", list(TRAINER_CONFIGURATIONS))
 DENIED = errno.errorcode[errno.EPERM]
 
 

@@ -179,6 +179,15 @@ class RunCgroup:
                    (os.path.join(pids_dir, "pids.max"), os.path.join(pids.path, name), max_processes),
                    cpuacct_dir and os.path.join(cpuacct_dir, "cpuacct.usage"))
 
+    def shared_memory_bytes(self) -> int | None:
+        """The run's tmpfs and shared memory pages (memory.stat `shmem`): a work dir on /dev/shm, as the Landlock
+        tier's, is charged there. None when it cannot be read."""
+        try:
+            text = open(os.path.join(os.path.dirname(self.memory[0]), "memory.stat")).read()
+        except OSError:
+            return None
+        return int(text.split("\nshmem ", 1)[1].split()[0]) if "\nshmem " in text else None
+
     def _cpu_seconds_from_proc(self) -> float:
         try:
             members = open(self.procs_files[0]).read().split()

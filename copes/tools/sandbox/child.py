@@ -88,6 +88,7 @@ class ChildConfig(TypedDict):
     caller_namespaces: dict[str, str]
     caller_keyring: int | None
     disk_bytes: int
+    disk_reserved_by_others: int  # /dev/shm bytes the caller's other runs may hold (see _shared_memory_room)
     max_files: int
     rlimits: RlimitConfig
     environment: dict[str, str]
@@ -95,7 +96,7 @@ class ChildConfig(TypedDict):
     symlinks: dict[str, str]
     top_level: list[str]
     staging: str
-    kept_uid_because: str | None  # the Landlock tier, where root keeps uid 0: why
+    kept_uid_because: str | None  # the Landlock tier, where root cannot switch to run_uid: why
 
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
@@ -115,6 +116,14 @@ INSIDE_ID = 1000  # the code's uid and gid inside its user namespace: not 0, so 
 WORKDIR = "/sandbox"
 OOM_SCORE_ADJ = 1000  # the kernel's maximum: under memory pressure the run is killed before anything else
 DEVICES = ("null", "zero", "urandom")
+# /proc files a pid namespace does not narrow that count the host's threads and forks (a channel between concurrent
+# runs, as sysinfo() is): they read empty. glibc's cpu count falls back to the affinity mask.
+HOST_COUNTERS = ("loadavg", "stat")
+# Queued signals (real-time ones, and any sent with sigqueue) the whole run may hold: the count is the uid's, so
+# it is the run's share of a non-root trainer's RLIMIT_SIGPENDING. Python's own signal handling queues none.
+PENDING_SIGNALS = 64
+# Tasks a non-root caller keeps of its RLIMIT_NPROC beyond what a run may take: its own next forks and threads.
+CALLER_PROCESS_RESERVE = 8
 EXIT_UNAVAILABLE = 124  # a required protection is missing; the code never ran
 EXIT_SETUP_FAILED = 125
 EXIT_EXEC_FAILED = 127
@@ -215,6 +224,38 @@ def _join_cgroups(config: ChildConfig, report: Report) -> list[str]:
         report.verdict("memory", False, f"cannot join the run's cgroup: {error}")
         report.verdict("process_limit", False, f"cannot join the run's cgroup: {error}")
         return ["memory", "process_limit"]
+
+
+def _caller_process_headroom(config: ChildConfig, report: Report) -> list[str]:
+    """A non-root caller's runs count against its uid's RLIMIT_NPROC, which counts every task of the uid (the
+    trainer's own threads too): a run starts only where its whole pids limit still leaves the caller
+    CALLER_PROCESS_RESERVE, so the trainer's next fork never meets EAGAIN because of it. Returns what failed."""
+    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if os.getuid() == 0 or limit == resource.RLIM_INFINITY or config["cgroup"] is None:
+        return []
+    run_tasks = config["cgroup"]["pids"][2]
+    used = _tasks_of_uid(os.getuid())
+    if limit - used >= run_tasks + CALLER_PROCESS_RESERVE:
+        report.isolation["process_limit"] += (f"; the caller's uid runs {used} of its RLIMIT_NPROC {limit} tasks, "
+                                              f"leaving it room beside the run's {run_tasks}")
+        return []
+    report.verdict("process_limit", False, f"the caller's uid {os.getuid()} runs {used} of its RLIMIT_NPROC "
+                                           f"{limit} tasks (threads included): a run of up to {run_tasks} would "
+                                           f"leave it fewer than {CALLER_PROCESS_RESERVE}; lower max_processes, "
+                                           f"run fewer at once or raise ulimit -u")
+    return ["process_limit"]
+
+
+def _tasks_of_uid(uid: int) -> int:
+    """Threads of every process whose /proc entry `uid` owns (its effective uid), this one included."""
+    tasks = 0
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                tasks += int(open(f"/proc/{entry.name}/stat").read().rsplit(")", 1)[1].split()[17])  # num_threads
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile
+    return tasks
 
 
 def _become_run_user(config: ChildConfig) -> None:
@@ -355,6 +396,8 @@ def _assemble_root(config: ChildConfig, root: str) -> None:
 def _finish_root(config: ChildConfig) -> str:
     """In the run's pid and user namespaces: a /proc showing only the run, and the size-limited work dir."""
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for counters in HOST_COUNTERS:
+        _bind_read_only("/dev/null", f"/proc/{counters}")
     _mount("tmpfs", WORKDIR, "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={config['disk_bytes']},nr_inodes={config['max_files']},mode=0700,uid={INSIDE_ID},gid={INSIDE_ID}")
     return WORKDIR
@@ -420,19 +463,39 @@ def _drop_bounding_set() -> None:
 
 
 def _set_rlimits(limits: RlimitConfig) -> bool:
-    """Set every per-process limit and read them back; True when all hold."""
+    """Set every per-process limit and read them back; True when all hold. Not one is inherited from the caller
+    (only a caller's lower hard limit stays): no real-time priority, no lowering of nice, and the quotas the kernel
+    keeps per uid (pending signals, locked memory) capped, so a run never takes the share a non-root trainer needs."""
     wanted = {
         resource.RLIMIT_CPU: (limits["cpu_seconds"], limits["cpu_seconds"] + 1),
         resource.RLIMIT_AS: (limits["memory_bytes"],) * 2,
         resource.RLIMIT_NOFILE: (limits["open_files"],) * 2,
         resource.RLIMIT_FSIZE: (limits["file_bytes"],) * 2,
         resource.RLIMIT_CORE: (0, 0),
+        resource.RLIMIT_RTPRIO: (0, 0),
+        resource.RLIMIT_NICE: (0, 0),
+        resource.RLIMIT_MEMLOCK: (0, 0),  # also SysV SHM_LOCK, charged to the uid, not the process
+        resource.RLIMIT_SIGPENDING: (PENDING_SIGNALS,) * 2,
     }
     if limits["processes"] is not None:
         wanted[resource.RLIMIT_NPROC] = (limits["processes"],) * 2
     for limit, values in wanted.items():
+        hard = resource.getrlimit(limit)[1]  # a caller's lower hard limit stays: raising it needs privilege
+        wanted[limit] = values = tuple(value if hard == resource.RLIM_INFINITY else min(value, hard)
+                                       for value in values)
         resource.setrlimit(limit, values)
     return all(resource.getrlimit(limit) == values for limit, values in wanted.items())
+
+
+def _ordinary_scheduling() -> None:
+    """No real-time policy and a nice of 0 or weaker: a trainer running real-time or at a negative nice must not
+    hand that to the run (its processes inherit the bootstrap's). Lowering one's own priority needs no privilege
+    (SCHED_IDLE and SCHED_BATCH stay: leaving SCHED_IDLE would raise it)."""
+    policy = os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK
+    if policy not in (os.SCHED_OTHER, os.SCHED_BATCH, os.SCHED_IDLE):
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    if os.getpriority(os.PRIO_PROCESS, 0) < 0:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
 
 
 def _install_seccomp(report: Report, without_namespaces: bool) -> bool:
@@ -549,11 +612,11 @@ def _user_namespaces_allowed() -> bool:
 
 def _enter_landlock_tier(config: ChildConfig, report: Report, missing: list[str]) -> NoReturn:
     """Who the code runs as here. Root becomes a per-run uid, as in the first tier, so nothing that authorises by
-    uid alone (prlimit, scheduling, System V IPC, leases, file modes) treats another root process as its own;
-    unless the interpreter lies under a directory other uids cannot search (a pyenv under a 0700 /root), where it
-    keeps uid 0 with no capabilities and relies on the seccomp filter and Landlock's scoping. A non-root caller
-    keeps its uid: from ABI 6 Landlock scopes its signals and ptrace to the run, and seccomp confines the calls
-    that act on another process to the caller itself."""
+    uid alone (prlimit, scheduling, file modes and times, per-uid quotas) treats another root process or a
+    root-owned file as its own; where it cannot (the interpreter lies under a directory other uids cannot search,
+    such as a pyenv under a 0700 /root), the run is refused rather than left uid 0. A non-root caller keeps its uid:
+    from ABI 6 Landlock scopes its signals and ptrace to the run, and seccomp confines the calls that act on
+    another process to the caller itself and denies those that change a file's attributes."""
     if config["cgroup"] is not None:  # no init process here: give its place in the pids limit to nobody
         pids_file, _, limit = config["cgroup"]["pids"]
         with open(pids_file, "w") as file:  # before any uid switch: a per-run uid may not write it
@@ -561,7 +624,7 @@ def _enter_landlock_tier(config: ChildConfig, report: Report, missing: list[str]
     unreachable = _unreachable_by_other_uids([config["python"], *config["binds"]])
     if config["run_uid"] is not None and unreachable:
         config["run_uid"] = None
-        config["kept_uid_because"] = f"{unreachable} is not searchable by other uids"
+        config["kept_uid_because"] = f"the interpreter lies under {unreachable}, which other uids cannot search"
     _become_run_user(config)
     _landlock_tier(config, report, missing)
 
@@ -594,11 +657,18 @@ def _landlock_tier(config: ChildConfig, report: Report, missing: list[str]) -> N
         report.verdict("filesystem", False, "no Landlock on this kernel (5.13+, landlock in the lsm= boot parameter)")
         missing.append("filesystem")
     kept = f" ({config['kept_uid_because']})" if config["kept_uid_because"] else ""
-    report.verdict("user", bool(run_uid) or scoped,
-                   (f"per-run uid {run_uid}" if run_uid else f"the caller's uid {os.getuid()}{kept}")
-                   + (", its signals and ptrace scoped to the run by Landlock" if scoped else
-                      "" if run_uid else " with nothing to scope its signals")
-                   + "; seccomp lets prlimit, scheduling and I/O priority act on the calling process only")
+    if not run_uid and _is_host_root():
+        # Neither Landlock nor seccomp sees file ownership: uid 0 would keep root's reach over the host's
+        # root-owned files (modes, times, extended attributes) and share root's per-uid quotas.
+        report.verdict("user", False, f"the code would keep uid 0{kept}; the Landlock tier never runs code as "
+                                      "root: use the namespaces tier (tier='auto' where user namespaces can be "
+                                      "had) or an interpreter other uids can reach")
+    else:
+        report.verdict("user", bool(run_uid) or scoped,
+                       (f"per-run uid {run_uid}" if run_uid else f"the caller's uid {os.getuid()}")
+                       + (", its signals and ptrace scoped to the run by Landlock" if scoped else
+                          "" if run_uid else " with nothing to scope its signals")
+                       + "; seccomp lets prlimit, scheduling and I/O priority act on the calling process only")
     report.verdict("network", True, "seccomp denies socket() for every address family, connect(), and "
                                     "socketpair() other than a unix stream pair"
                                     + ("; Landlock denies TCP bind and connect" if version >= 4 else ""))
@@ -616,11 +686,8 @@ def _landlock_tier(config: ChildConfig, report: Report, missing: list[str]) -> N
     missing += [name for name in ("user", "pid_namespace") if not report.isolation[name].startswith("yes")]
     shared = SHARED_MEMORY if _is_tmpfs(SHARED_MEMORY) else None
     workdir = tempfile.mkdtemp(prefix="copes_sandbox_", dir=shared)
-    report.verdict("disk", shared is not None,
-                   f"work dir {workdir} on tmpfs, charged to the run's memory cgroup (memory and disk together "
-                   f"at most {config['rlimits']['memory_bytes'] >> 20} MiB); RLIMIT_FSIZE per file"
-                   if shared else f"work dir {workdir} on the host disk, bounded per file only")
-    missing += [] if shared else ["disk"]
+    if not report.verdict("disk", *_shared_memory_room(config, workdir, shared)):
+        missing.append("disk")
     report.send(host_workdir=workdir, tier="landlock")
     report.stop_if_missing(missing)
     with open(os.path.join(workdir, "main.py"), "wb") as file:
@@ -649,6 +716,34 @@ def _landlock_tier(config: ChildConfig, report: Report, missing: list[str]) -> N
     _kill_the_rest_of_the_run(config)
     report.send(exit_status=os.waitstatus_to_exitcode(status))
     os._exit(0)
+
+
+def _shared_memory_room(config: ChildConfig, workdir: str, shared: str | None) -> tuple[bool, str]:
+    """(whether the Landlock work dir is bounded, in words): on a tmpfs with room for this run's max_disk_bytes
+    and those of the caller's other runs that may still hold theirs; the caller kills the run past its quota."""
+    quota, others = config["disk_bytes"], config["disk_reserved_by_others"]
+    if shared is None:
+        return False, f"work dir {workdir} on the host disk, bounded per file only ({SHARED_MEMORY} is no tmpfs)"
+    disk = os.statvfs(shared)
+    free = disk.f_bavail * disk.f_frsize
+    if free < quota + others:
+        return False, (f"{shared} has {free >> 20} MiB free, less than the {quota >> 20} MiB this run may write "
+                       f"and the {others >> 20} MiB the caller's other runs may hold there: fewer runs at once, a "
+                       f"smaller max_disk_bytes, a larger {shared}, or the namespaces tier")
+    return True, (f"work dir {workdir} on tmpfs, charged to the run's memory cgroup, its size (with the run's "
+                  f"shared memory) read by the caller every 10 ms: the run is killed past {quota >> 20} MiB; "
+                  f"{shared} had room for it and the caller's other runs; RLIMIT_FSIZE per file")
+
+
+def _is_host_root() -> bool:
+    """Whether our uid is 0 and maps to uid 0 of the parent user namespace (not a rootless container's root)."""
+    if os.getuid() != 0:
+        return False
+    for line in open("/proc/self/uid_map").read().splitlines():
+        inside, outside, count = map(int, line.split())
+        if inside <= 0 < inside + count:
+            return outside - inside == 0
+    return False
 
 
 def _is_tmpfs(mount_point: str) -> bool:
@@ -695,7 +790,8 @@ def _exec_user_code(config: ChildConfig, report: Report, workdir: str, landlock:
         report.verdict("rlimits", rlimits_ok, f"cpu {limits['cpu_seconds']} s, address space "
                                               f"{limits['memory_bytes'] >> 20} "
                                         f"MiB, open files {limits['open_files']}, file size "
-                                        f"{limits['file_bytes'] >> 20} MiB, core 0 per process")
+                                        f"{limits['file_bytes'] >> 20} MiB, core 0, real-time priority 0, "
+                                        f"nice never lowered, locked memory 0, {PENDING_SIGNALS} queued signals")
         try:
             ok = report.verdict("capabilities", True, _drop_capabilities())
         except Refused as error:
@@ -810,7 +906,8 @@ def main(config: ChildConfig) -> NoReturn:
     SECCOMP, LANDLOCK = helpers["seccomp"], helpers["landlock"]
     with open("/proc/self/oom_score_adj", "w") as file:  # raising it needs no privilege; lowering it does
         file.write(str(OOM_SCORE_ADJ))
-    missing = _join_cgroups(config, report)
+    _ordinary_scheduling()
+    missing = _join_cgroups(config, report) + _caller_process_headroom(config, report)
     if config["tier"] == "landlock" or (not _user_namespaces_allowed() and LANDLOCK.abi()):
         _enter_landlock_tier(config, report, missing)
     root_built, root_error = _build_root_as_root(config)

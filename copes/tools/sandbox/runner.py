@@ -29,9 +29,10 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache, cached_property, lru_cache
 from pathlib import Path
 from typing import TypedDict
@@ -57,8 +58,10 @@ _LIBRARY_PATHS = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache"
 # that holds none of what the root binds, so covering it hides no bind source.
 _STAGING_CANDIDATES = ("/tmp", "/mnt", "/media", "/srv", "/opt", "/var/tmp", "/run", "/home", "/boot")
 _READ_CHUNK_BYTES = 64 << 10
-# How often the caller reads the run's CPU time while it runs.
+# How often the caller reads the run's CPU time while it runs, and, in the Landlock tier, its work dir's size (a
+# tmpfs writer fills about 1 GB/s here: 10 ms lets it past max_disk_bytes by some 10 MB before it is killed).
 _CPU_POLL_S = 0.05
+_DISK_POLL_S = 0.01
 # The bootstrap and init processes of a run count against its pids limit too.
 _RUN_OWN_PROCESSES = 2
 # How long the bootstrap may take to tear the run down after SIGTERM before its whole group gets SIGKILL.
@@ -82,6 +85,49 @@ class RootLayout(TypedDict):
     staging: str
 
 
+@dataclass
+class _Collected:
+    """What `_collect_output` read, and why it stopped early if it did."""
+
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    report: bytes = b""
+    timed_out: bool = False
+    truncated: bool = False
+    cpu_exceeded: bool = False
+    disk_exceeded: bool = False
+
+
+class _SharedMemoryReservations:
+    """The /dev/shm bytes this process's runs may hold: each run's max_disk_bytes, from its start until its work
+    dir is removed. A Landlock-tier run starts only where /dev/shm has room for its own and all of these."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reserved = 0
+
+    def reserve(self, size: int) -> int:
+        """Reserve `size` bytes; returns what the other runs hold."""
+        with self._lock:
+            others = self._reserved
+            self._reserved += size
+            return others
+
+    def release_after(self, removals: list[Future], size: int) -> None:
+        """Release `size` bytes once every removal is done (the remover runs them in order: the last one last)."""
+        if removals:
+            removals[-1].add_done_callback(lambda _: self._release(size))
+        else:
+            self._release(size)
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._reserved -= size
+
+
+_shared_memory = _SharedMemoryReservations()
+
+
 class SandboxUnavailable(ConfigError):
     """The sandbox cannot isolate code on this machine; the message names what is missing and how to allow it."""
 
@@ -94,6 +140,8 @@ class SandboxResult:
     "yes", or with "no" followed by the reason (only ever seen in unsafe mode). `tier` names how the run was
     isolated: "namespaces", "landlock", or "none" (unsafe mode where neither could be had).
     `cpu_budget_exceeded`: the run's processes together used up its CPU budget and the run was killed.
+    `disk_quota_exceeded`: the Landlock tier's work dir (with the run's shared memory) outgrew `max_disk_bytes` and
+    the run was killed (the namespaces tier's work dir is a tmpfs of that size: writes past it get ENOSPC).
     """
 
     stdout: str
@@ -104,6 +152,7 @@ class SandboxResult:
     isolation: dict[str, str]
     tier: str = "none"
     cpu_budget_exceeded: bool = False
+    disk_quota_exceeded: bool = False
 
     def enforced(self, protection: str) -> bool:
         return self.isolation.get(protection, "no").startswith("yes")
@@ -182,17 +231,19 @@ class PythonSandbox:
             raise ValueError(f"code must be a str, got {type(code).__name__}")
         cgroup = RunCgroup.create(self.memory_bytes, self.max_processes + _RUN_OWN_PROCESSES)
         host_workdirs: list[str] = []  # filled as soon as the report names one, so a refused run leaves none
+        reserved_by_others = _shared_memory.reserve(self.max_disk_bytes)
         try:
-            result = self._execute(code, cgroup, host_workdirs)
+            result = self._execute(code, cgroup, host_workdirs, reserved_by_others)
         finally:
             if isinstance(cgroup, RunCgroup):
                 cgroup.remove()  # first: it kills whatever of the run could still write to the work dir
-            for path in host_workdirs:
-                remove_later(path)
+            # A Landlock work dir keeps its share of /dev/shm until it is removed.
+            _shared_memory.release_after([remove_later(path) for path in host_workdirs], self.max_disk_bytes)
         _log_gaps_once(result.isolation)
         return result
 
-    def _execute(self, code: str, cgroup: RunCgroup | str, host_workdirs: list[str]) -> SandboxResult:
+    def _execute(self, code: str, cgroup: RunCgroup | str, host_workdirs: list[str],
+                 reserved_by_others: int) -> SandboxResult:
         report_read, report_write = os.pipe()
         # surrogatepass keeps odd model output byte-faithful; the interpreter then reports it as a SyntaxError.
         code_bytes = code.encode("utf-8", errors="surrogatepass")
@@ -213,6 +264,7 @@ class PythonSandbox:
             "caller_namespaces": sandbox_child.namespace_ids(),
             "caller_keyring": sandbox_child.session_keyring_id(),
             "disk_bytes": self.max_disk_bytes,
+            "disk_reserved_by_others": reserved_by_others,
             "max_files": self.max_files,
             "rlimits": self._rlimits(),
             "environment": self._environment(),
@@ -241,12 +293,13 @@ class PythonSandbox:
                 os.close(fd)
         with os.fdopen(report_read, "rb") as report_pipe:
             try:
-                stdout, stderr, timed_out, truncated, cpu_exceeded = self._collect_output(process, cgroup)
+                collected = self._collect_output(process, cgroup, report_pipe.fileno())
             finally:
                 _stop(process)
                 process.stdout.close()
                 process.stderr.close()
-            report = _parse_report(report_pipe.read())
+            report = _parse_report(collected.report + report_pipe.read())
+        stdout, stderr = collected.stdout, collected.stderr
         host_workdirs += [report["host_workdir"]] if "host_workdir" in report else []
         if report.get("tier") != "namespaces":
             _kill_group(process)  # without a pid namespace, children may still run in the bootstrap's group
@@ -266,11 +319,12 @@ class PythonSandbox:
             stdout=stdout.decode("utf-8", errors="replace"),
             stderr=stderr.decode("utf-8", errors="replace"),
             exit_status=report.get("exit_status", process.returncode),
-            timed_out=timed_out,
-            output_truncated=truncated,
+            timed_out=collected.timed_out,
+            output_truncated=collected.truncated,
             isolation=report["isolation"] or {"bootstrap": "no: the sandbox bootstrap reported nothing"},
             tier=report.get("tier", "none"),
-            cpu_budget_exceeded=cpu_exceeded,
+            cpu_budget_exceeded=collected.cpu_exceeded,
+            disk_quota_exceeded=collected.disk_exceeded,
         )
         return result
 
@@ -289,46 +343,54 @@ class PythonSandbox:
         return (f"yes: {self.run_cpu_seconds} CPU-seconds for the whole run, every process together, read from "
                 f"cgroup {os.path.basename(cgroup.cpu_usage_file)}; RLIMIT_CPU {self.cpu_seconds} s per process")
 
-    def _collect_output(self, process: subprocess.Popen,
-                        cgroup: RunCgroup | str) -> tuple[bytes, bytes, bool, bool, bool]:
-        """Read both pipes in chunks until EOF, the wall-clock deadline, the output cap or the run's CPU budget,
-        whichever is first."""
+    def _collect_output(self, process: subprocess.Popen, cgroup: RunCgroup | str, report_fd: int) -> _Collected:
+        """Read both pipes and the report in chunks until EOF, the wall-clock deadline, the output cap, the run's
+        CPU budget or (Landlock tier, which the report names before the code starts) its disk quota, whichever is
+        first."""
         deadline = time.monotonic() + self.timeout_s
         meter = None if isinstance(cgroup, str) else cgroup
-        buffers = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
-        timed_out = truncated = cpu_exceeded = False
-        next_reading = time.monotonic() + _CPU_POLL_S
+        collected = _Collected()
+        buffers = {process.stdout.fileno(): collected.stdout, process.stderr.fileno(): collected.stderr}
+        next_cpu_reading = time.monotonic() + _CPU_POLL_S
+        poll_s = _CPU_POLL_S
         with selectors.DefaultSelector() as selector:
-            for fd in buffers:
+            for fd in [*buffers, report_fd]:
                 selector.register(fd, selectors.EVENT_READ)
-            while selector.get_map() and not truncated:
+            while any(fd in selector.get_map() for fd in buffers) and not collected.truncated:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    timed_out = True
+                    collected.timed_out = True
                     break
-                for key, _ in selector.select(min(remaining, _CPU_POLL_S)):
+                for key, _ in selector.select(min(remaining, poll_s)):
                     chunk = os.read(key.fd, _READ_CHUNK_BYTES)
                     if not chunk:
                         selector.unregister(key.fd)
-                        continue
-                    buffer = buffers[key.fd]
-                    room = self.max_output_bytes - len(buffer)
-                    buffer += chunk[:room]
-                    truncated |= len(chunk) > room
-                if meter is not None and time.monotonic() >= next_reading:
-                    next_reading = time.monotonic() + _CPU_POLL_S
+                    elif key.fd == report_fd:
+                        collected.report += chunk
+                        poll_s = _DISK_POLL_S if b'"tier": "landlock"' in collected.report else poll_s
+                    else:
+                        buffer = buffers[key.fd]
+                        room = self.max_output_bytes - len(buffer)
+                        buffer += chunk[:room]
+                        collected.truncated |= len(chunk) > room
+                if meter is None:
+                    continue
+                if poll_s == _DISK_POLL_S and (meter.shared_memory_bytes() or 0) > self.max_disk_bytes:
+                    collected.disk_exceeded = True
+                    break
+                if time.monotonic() >= next_cpu_reading:
+                    next_cpu_reading = time.monotonic() + _CPU_POLL_S
                     used = meter.cpu_seconds_used()
                     if used is not None and used >= self.run_cpu_seconds:
-                        cpu_exceeded = True
+                        collected.cpu_exceeded = True
                         break
-        if not (timed_out or truncated or cpu_exceeded):
+        if not (collected.timed_out or collected.truncated or collected.cpu_exceeded or collected.disk_exceeded):
             # Both pipes are closed; the bootstrap exits right after its children, unless something keeps it alive.
             try:
                 process.wait(timeout=max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
-                timed_out = True
-        stdout, stderr = buffers.values()
-        return bytes(stdout), bytes(stderr), timed_out, truncated, cpu_exceeded
+                collected.timed_out = True
+        return collected
 
     def _rlimits(self) -> sandbox_child.RlimitConfig:
         return {

@@ -12,12 +12,19 @@ Denied with EPERM, in both tiers:
   F_SETPIPE_SZ (the uid's pipe pages are shared with the trainer), and every byte-range lock command, plus flock:
   locks on the shared read-only bound inodes are a channel between concurrent runs.
 - Page-cache control and inspection: fadvise64 POSIX_FADV_DONTNEED, madvise MADV_COLD/MADV_PAGEOUT, mincore and
-  cachestat (evicting or probing the cache of shared files is a channel, and drops the trainer's cached pages).
+  cachestat (evicting or probing the cache of shared files is a channel, and drops the trainer's cached pages),
+  process_madvise (MADV_PAGEOUT by another call), preadv2/pwritev2 with RWF_NOWAIT (EAGAIN tells an uncached page).
+- Host-wide quotas no cgroup here counts: io_setup (the host's AIO contexts, fs.aio-max-nr), mmap MAP_HUGETLB,
+  memfd_create MFD_HUGETLB and shmget SHM_HUGETLB (the hugetlb pool); sysinfo (the host's thread count, a channel
+  between concurrent runs).
 - socket(AF_VSOCK): vsock ignores network namespaces.
 The Landlock tier (no namespaces) also denies what the private network and IPC namespaces would contain: `socket`
 (every family), `connect`, `socketpair` other than SOCK_STREAM (a datagram socket can `sendto` any host pathname
-socket), the System V IPC lookups and every call that takes an IPC id, and every POSIX message queue call. System
-calls of a foreign ABI (i386 or x32 on x86_64) are denied as a whole.
+socket), the System V IPC lookups and every call that takes an IPC id, and every POSIX message queue call; what
+Landlock does not hook: every call that changes a file's mode, owner, times or extended attributes (chmod, chown,
+utimensat, setxattr, ... and their fd forms: Landlock lets the run open bound files for reading, which the fd forms
+would then change), and statfs/fstatfs (the shared /dev/shm's free space is a channel between runs). System calls
+of a foreign ABI (i386 or x32 on x86_64) are denied as a whole.
 
 `probe()` checks from inside that the filter answers: it makes each denied call with arguments the kernel itself
 would reject differently (EINVAL, EFAULT, EBADF, ESRCH), so a working filter is told apart from a missing one and a
@@ -45,7 +52,13 @@ SYSCALLS = {
                "ioprio_set": 251, "fcntl": 72, "flock": 73, "fadvise64": 221, "madvise": 28, "mincore": 27,
                "cachestat": 451, "socketpair": 53, "connect": 42, "shmat": 30, "shmctl": 31, "semop": 65,
                "semctl": 66, "semtimedop": 220, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "mq_unlink": 241,
-               "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244, "mq_getsetattr": 245},
+               "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244, "mq_getsetattr": 245,
+               "io_setup": 206, "process_madvise": 440, "preadv2": 327, "pwritev2": 328, "sysinfo": 99,
+               "mmap": 9, "memfd_create": 319, "statfs": 137, "fstatfs": 138, "chmod": 90, "fchmod": 91,
+               "fchmodat": 268, "fchmodat2": 452, "chown": 92, "fchown": 93, "lchown": 94, "fchownat": 260,
+               "utime": 132, "utimes": 235, "futimesat": 261, "utimensat": 280, "setxattr": 188, "lsetxattr": 189,
+               "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199, "setxattrat": 463,
+               "removexattrat": 466},
     "aarch64": {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "perf_event_open": 241,
                 "userfaultfd": 282, "bpf": 280, "add_key": 217, "request_key": 218, "keyctl": 219,
                 "inotify_init1": 26, "fanotify_init": 262, "setns": 268, "unshare": 97, "clone": 220,
@@ -55,15 +68,26 @@ SYSCALLS = {
                 "ioprio_set": 30, "fcntl": 25, "flock": 32, "fadvise64": 223, "madvise": 233, "mincore": 232,
                 "cachestat": 451, "socketpair": 199, "connect": 203, "shmat": 196, "shmctl": 195, "semop": 193,
                 "semctl": 191, "semtimedop": 192, "msgsnd": 189, "msgrcv": 188, "msgctl": 187, "mq_unlink": 181,
-                "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184, "mq_getsetattr": 185},
+                "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184, "mq_getsetattr": 185,
+                "io_setup": 0, "process_madvise": 440, "preadv2": 286, "pwritev2": 287, "sysinfo": 179,
+                "mmap": 222, "memfd_create": 279, "statfs": 43, "fstatfs": 44, "fchmod": 52, "fchmodat": 53,
+                "fchmodat2": 452, "fchown": 55, "fchownat": 54, "utimensat": 88, "setxattr": 5, "lsetxattr": 6,
+                "fsetxattr": 7, "removexattr": 14, "lremovexattr": 15, "fremovexattr": 16, "setxattrat": 463,
+                "removexattrat": 466},
 }
 DENIED = ("io_uring_setup", "io_uring_enter", "io_uring_register", "perf_event_open", "userfaultfd", "bpf",
           "add_key", "request_key", "keyctl", "inotify_init", "inotify_init1", "fanotify_init", "setns", "flock",
-          "mincore", "cachestat")
-# Without namespaces these stand in for the private network and IPC namespaces.
+          "mincore", "cachestat", "io_setup", "process_madvise", "sysinfo")
+# Landlock does not hook these: under the run's uid they change modes, owners, times and extended attributes of any
+# file that uid owns (or, for times set to now, may write), wherever it is. The namespaces tier's binds are read-only.
+ATTRIBUTE_CHANGES = ("chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "utime",
+                     "utimes", "futimesat", "utimensat", "setxattr", "lsetxattr", "fsetxattr", "removexattr",
+                     "lremovexattr", "fremovexattr", "setxattrat", "removexattrat")
+# Without namespaces these stand in for the private network and IPC namespaces; statfs shows the shared /dev/shm.
 DENIED_WITHOUT_NAMESPACES = ("socket", "connect", "shmget", "semget", "msgget", "shmat", "shmctl", "semop", "semctl",
                              "semtimedop", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend",
-                             "mq_timedreceive", "mq_notify", "mq_getsetattr")
+                             "mq_timedreceive", "mq_notify", "mq_getsetattr", *ATTRIBUTE_CHANGES, "statfs",
+                             "fstatfs")
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET | NEWTIME
 NAMESPACE_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
 _CLONE_FS, _CLONE_SETTLS, _CLONE_NEWUSER = 0x200, 0x80000, 0x10000000
@@ -71,6 +95,7 @@ _PRIO_PROCESS, _IOPRIO_WHO_PROCESS = 0, 1
 _F_SETLEASE, _F_NOTIFY, _F_SETPIPE_SZ = 1024, 1026, 1031
 _LOCK_COMMANDS = (5, 6, 7, 36, 37, 38)  # F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW
 _POSIX_FADV_DONTNEED, _MADV_COLD, _MADV_PAGEOUT = 4, 20, 21
+_RWF_NOWAIT, _MAP_HUGETLB, _MFD_HUGETLB, _SHM_HUGETLB = 0x8, 0x40000, 0x4, 0x800
 _AF_UNIX, _AF_VSOCK, _SOCK_STREAM, _SOCK_TYPE_MASK = 1, 40, 1, 0xF
 
 # Argument rules: a call is denied when any of its rules says so. A rule reads the low 32 bits of one argument
@@ -88,6 +113,11 @@ ARGUMENT_RULES: dict[str, tuple[Rule, ...]] = {
     "fadvise64": (("any_of", 3, (_POSIX_FADV_DONTNEED,)),),
     "madvise": (("any_of", 2, (_MADV_COLD, _MADV_PAGEOUT)),),
     "socket": (("any_of", 0, (_AF_VSOCK,)),),
+    # RWF_NOWAIT answers EAGAIN for pages not in the page cache: mincore by another name.
+    "preadv2": (("any_bit", 5, _RWF_NOWAIT),), "pwritev2": (("any_bit", 5, _RWF_NOWAIT),),
+    # The hugetlb pool is the host's, and no cgroup limit here counts it.
+    "mmap": (("any_bit", 3, _MAP_HUGETLB),), "memfd_create": (("any_bit", 1, _MFD_HUGETLB),),
+    "shmget": (("any_bit", 2, _SHM_HUGETLB),),
     "unshare": (("any_bit", 0, NAMESPACE_FLAGS),),
     "clone": (("any_bit", 0, NAMESPACE_FLAGS),),
 }
@@ -203,7 +233,14 @@ def probe(without_namespaces: bool) -> dict[str, bool]:
         "fadvise64(DONTNEED)": ("fadvise64", -1, 0, 0, _POSIX_FADV_DONTNEED),
         "madvise(MADV_PAGEOUT)": ("madvise", 1, 0, _MADV_PAGEOUT), "mincore": ("mincore", 1, 0, None),
         "cachestat": ("cachestat", -1, None, None, 0), "socket(AF_VSOCK)": ("socket", _AF_VSOCK, -1, 0),
+        "io_setup": ("io_setup", 0, None), "process_madvise": ("process_madvise", -1, None, 0, _MADV_PAGEOUT, 0),
+        "preadv2(RWF_NOWAIT)": ("preadv2", -1, None, 0, 0, 0, _RWF_NOWAIT),
+        "pwritev2(RWF_NOWAIT)": ("pwritev2", -1, None, 0, 0, 0, _RWF_NOWAIT), "sysinfo": ("sysinfo", None),
+        "mmap(MAP_HUGETLB)": ("mmap", None, 0, 0, _MAP_HUGETLB, -1, 0),  # length 0: EINVAL for the kernel
+        "memfd_create(MFD_HUGETLB)": ("memfd_create", None, _MFD_HUGETLB),
     }
+    if not without_namespaces:  # the Landlock tier denies shmget altogether (below)
+        calls["shmget(SHM_HUGETLB)"] = ("shmget", 0, 0, _SHM_HUGETLB)  # size 0: EINVAL for the kernel
     if "inotify_init" in numbers:
         calls["inotify_init"] = ("inotify_init",)
     if without_namespaces:  # the kernel's own answers: EAFNOSUPPORT, EBADF, EFAULT, EINVAL for a bad id or fd
@@ -217,7 +254,11 @@ def probe(without_namespaces: bool) -> dict[str, bool]:
             "msgctl": ("msgctl", -1, 0, None), "mq_open": ("mq_open", None, 0, 0, None),
             "mq_unlink": ("mq_unlink", None), "mq_timedsend": ("mq_timedsend", -1, None, 0, 0, None),
             "mq_timedreceive": ("mq_timedreceive", -1, None, 0, None, None), "mq_notify": ("mq_notify", -1, None),
-            "mq_getsetattr": ("mq_getsetattr", -1, None, None)})
+            "mq_getsetattr": ("mq_getsetattr", -1, None, None), "statfs": ("statfs", None, None),
+            "fstatfs": ("fstatfs", -1, None)})
+        # A bad fd (EBADF) or a NULL path (EFAULT) for the kernel.
+        calls.update({name: (name, *(-1 if name.startswith("f") or name.endswith("at") else None, None, 0, 0))
+                      for name in ATTRIBUTE_CHANGES if name in numbers})
     denied = {label: _answer(*call) == errno.EPERM for label, call in calls.items()}
     denied["clone3"] = _answer("clone3", None, 0) == errno.ENOSYS  # EINVAL for the kernel
     return denied
