@@ -162,7 +162,9 @@ class ESTrainer:
         if self.trl_tools and not self.task.chat:
             raise ConfigError("tools and environments need conversational prompts (a list of messages in 'prompt'), "
                               "as in TRL")
-        self.cfg = self.args.train_config(**self._trainer_set())
+        self.cfg = self.args.train_config(len(self.task.rows["train"]), **self._trainer_set())
+        if not launched_distributed() or os.environ.get("RANK", "0") == "0":
+            print(f"notice: {self._step_shape()}", file=sys.stderr, flush=True)
         self.state, self.control = self._fresh_state()
         self.trainer: _HookedTrainer | None = None
         if self.cfg.workers == 1 or launched_distributed():  # workers > 1: train() starts the ranks, then builds
@@ -183,6 +185,19 @@ class ESTrainer:
         print(f"notice: {what} cannot be imported again (a lambda, a closure or a function of the script being run), "
               "so the journal cannot hash its code and a resume cannot check it is unchanged; move it into a module",
               file=sys.stderr, flush=True)
+
+    def _step_shape(self) -> str:
+        """One line: what a step rolls out and how many run (TRL's batch and epoch fields, read as TRL reads them),
+        and the ES meaning of learning_rate."""
+        cfg, args = self.cfg, self.args
+        source = ("generation_batch_size // num_generations" if args.trl_prompts_per_step() is not None
+                  else "prompt_batch_size")
+        steps = f"{cfg.steps} steps"
+        if args.max_steps == -1:
+            steps += f" ({args.num_train_epochs:g} epochs of {len(self.task.rows['train'])} rows)"
+        return (f"each step rolls out {cfg.prompt_batch} prompts ({source}) x {cfg.population} members "
+                f"(population_size) = {cfg.prompt_batch * cfg.population} rollouts; {steps}; learning_rate "
+                f"{cfg.lr:g} is ES's step size alpha (the paper's 5e-4), not a gradient optimizer's")
 
     def _model_spec(self, model: Any) -> str:
         """The model as a path or hub id; a model object is saved once under output_dir/base_model."""
@@ -226,7 +241,9 @@ class ESTrainer:
     def _fresh_state(self) -> tuple[Any, Any]:
         from transformers import TrainerControl, TrainerState
 
-        state = TrainerState(max_steps=self.cfg.steps, logging_steps=self.args.logging_steps,
+        state = TrainerState(max_steps=self.cfg.steps, num_train_epochs=math.ceil(self.cfg.steps * self.cfg.prompt_batch
+                                                                                  / len(self.task.rows["train"])),
+                             logging_steps=self.args.logging_steps,
                              eval_steps=self.cfg.eval_every or self.args.logging_steps,
                              save_steps=self.cfg.checkpoint_every, train_batch_size=self.cfg.prompt_batch)
         self.task.trainer_state = state

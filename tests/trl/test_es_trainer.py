@@ -104,10 +104,10 @@ def test_config_fields_errors_and_notices(capsys):
         ESConfig(gradient_steps_typo=3)
     with pytest.raises(ConfigError, match="scale_rewards 'none' has no ES meaning"):
         ESConfig(scale_rewards="none")
-    config = ESConfig(beta=0.04, num_generations=8, max_steps=3, learning_rate=1e-3, population_size=8,
+    config = ESConfig(beta=0.04, loss_type="grpo", max_steps=3, learning_rate=1e-3, population_size=8,
                       num_subspaces=2, scale_rewards="group", max_tool_calling_iterations=2, bf16=True)
     notice = capsys.readouterr().err.strip().splitlines()
-    assert len(notice) == 1 and "beta, num_generations" in notice[0]
+    assert len(notice) == 1 and "beta, loss_type" in notice[0]
     train = config.train_config()
     assert (train.steps, train.lr, train.population, train.subspaces) == (3, 1e-3, 8, 2)
     assert (train.fitness, train.max_turns, train.dtype) == ("per_question", 3, "bfloat16")

@@ -1,0 +1,70 @@
+"""A TRL script behaves under copes.ESTrainer as it did under TRL (issue 55): batch and epoch arithmetic, the chat
+template error, progress, tool deadlines and schemas, GRPO's metric names, environments owning the data, samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from copes import ESConfig, ESTrainer
+from copes.errors import ConfigError
+from copes.run.journal import read_journal
+
+from helpers.trl_twin import TINY, answer_column_reward, arithmetic_rows
+
+# TRL's batch fields: generation_batch_size = 2 x 2 = 4 completions, // num_generations 2 = 2 prompts a step; six rows
+# and max_steps=-1 (TRL's default) with one epoch: 3 steps.
+TRL_BATCH = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=2, max_steps=-1,
+                 num_train_epochs=1)
+ES_SMALL = dict(population_size=2, num_subspaces=1, sigma=0.01, chunk_size=4096, eval_size=0)
+
+
+def es_trainer(output_dir, rows=None, **fields):
+    args = ESConfig(output_dir=str(output_dir), learning_rate=0.0025, seed=0, max_completion_length=4,
+                    **{**ES_SMALL, **fields})
+    return ESTrainer(model=TINY, reward_funcs=[answer_column_reward], args=args,
+                     train_dataset=rows if rows is not None else arithmetic_rows(False, count=6))
+
+
+@pytest.mark.slow
+def test_batch_and_epoch_fields_give_trls_steps_and_prompts(tmp_path, capsys):
+    """The same batch and epoch fields give TRL's GRPOTrainer and ESTrainer the same number of steps (TRL's epoch
+    arithmetic) and the same prompts a step (generation_batch_size // num_generations); every ES member scores
+    every prompt of the step, and one line at start says so with the rollouts a step."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    grpo = GRPOTrainer(model=TINY, reward_funcs=[answer_column_reward], train_dataset=arithmetic_rows(False, count=6),
+                       args=GRPOConfig(output_dir=str(tmp_path / "grpo"), max_completion_length=4, use_cpu=True,
+                                       report_to="none", learning_rate=0.0025, seed=0, logging_steps=1,
+                                       **TRL_BATCH))
+    grpo.train()
+    es = es_trainer(tmp_path / "es", **TRL_BATCH)
+    said = [line for line in capsys.readouterr().err.splitlines() if "rollouts" in line]
+    assert said == ["notice: each step rolls out 2 prompts (generation_batch_size // num_generations) x 2 members "
+                    "(population_size) = 4 rollouts; 3 steps (1 epochs of 6 rows); learning_rate 0.0025 is ES's "
+                    "step size alpha (the paper's 5e-4), not a gradient optimizer's"]
+    es.train()
+    assert es.state.global_step == grpo.state.global_step == 3
+    journal = read_journal(tmp_path / "es")
+    assert [tuple(journal.rewards_of(step).shape) for step in (1, 2, 3)] == [(2, 2)] * 3  # members x prompts
+    assert grpo.args.generation_batch_size // grpo.args.num_generations == es.cfg.prompt_batch == 2
+
+
+@pytest.mark.parametrize("fields, expected", [
+    (dict(max_steps=-1, num_train_epochs=2.5, prompt_batch_size=4), 8),  # ceil(2.5 x 12 // 4)
+    (dict(max_steps=-1, num_train_epochs=1, generation_batch_size=64, num_generations=4), 1),  # one step at least
+    (dict(max_steps=7, num_train_epochs=9), 7),  # max_steps set: the epochs do not count
+])
+def test_max_steps_minus_one_counts_epochs(fields, expected):
+    assert ESConfig(**fields).train_config(12).steps == expected
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(generation_batch_size=6, num_generations=4), r"generation_batch_size \(6\) must be divisible by "
+                                                       r"num_generations \(4\)"),
+    (dict(per_device_train_batch_size=4, num_generations=2, prompt_batch_size=8), "disagree"),
+    (dict(max_steps=-2), "max_steps must be >= 0, or -1"),
+    (dict(num_generations=0), "num_generations must be a positive integer"),
+])
+def test_batch_field_mistakes_are_one_line(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ESConfig(**fields)
