@@ -234,6 +234,10 @@ class ESTrainer:
             trainer.tokenizer.padding_side = "left"
             if trainer.tokenizer.pad_token is None:
                 trainer.tokenizer.pad_token = trainer.tokenizer.eos_token
+        if self.task.chat and getattr(trainer.tokenizer, "chat_template", None) is None:  # TRL raises here too
+            raise ConfigError("Cannot use chat template functions because tokenizer.chat_template is not set: "
+                              "conversational prompts need one (give processing_class a tokenizer with a "
+                              "chat_template, or plain-text prompts)")
         trainer.tools = [*trainer.tools, *self.trl_tools]
         self.task.tokenizer = trainer.tokenizer
         return trainer

@@ -18,6 +18,13 @@ CONTENTS_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% end
 SHARED_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length")
 
 
+def contents_tokenizer() -> Any:
+    """The embedded tokenizer with CONTENTS_TEMPLATE, for conversational rows."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    tokenizer.chat_template = CONTENTS_TEMPLATE
+    return tokenizer
+
+
 def arithmetic_rows(conversational: bool, count: int = 12) -> Dataset:
     """Problems like the embedded model's, with `solution` (TRL's accuracy_reward reads it) and `answer` columns."""
     pairs = [(a, b) for a in range(12, 90, 17) for b in range(7, 60, 13)][:count]
@@ -75,9 +82,7 @@ def train_twin(trainer_class: type, config_class: type, *, conversational: bool,
     reading a column; `own_fields` are the config fields only this trainer has."""
     from trl.rewards import accuracy_reward
 
-    tokenizer = AutoTokenizer.from_pretrained(TINY)
-    if conversational:
-        tokenizer.chat_template = CONTENTS_TEMPLATE
+    tokenizer = contents_tokenizer() if conversational else AutoTokenizer.from_pretrained(TINY)
     recorder = KeyRecorder()
     args = config_class(output_dir=output_dir, max_steps=2, logging_steps=1, learning_rate=0.0025, seed=0,
                         max_completion_length=4, report_to="none", **own_fields)

@@ -18,7 +18,15 @@ from copes.trl.trainer import REFUSED
 from copes.user_code import sha256_of
 
 from helpers.tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer
-from helpers.trl_twin import SHARED_KEYS, TINY, StopAfter, answer_column_reward, arithmetic_rows, train_twin
+from helpers.trl_twin import (
+    SHARED_KEYS,
+    TINY,
+    StopAfter,
+    answer_column_reward,
+    arithmetic_rows,
+    contents_tokenizer,
+    train_twin,
+)
 
 # The ES side of the twin script: a population of 2 on 4 questions, so 2 steps take seconds.
 ES_FIELDS = dict(population_size=2, num_subspaces=1, prompt_batch_size=4, sigma=0.01, chunk_size=4096, eval_size=0)
@@ -301,7 +309,7 @@ def test_tool_and_environment_modules_are_hashed_and_an_edit_refuses_the_resume(
     def run(steps: int) -> dict:
         fields = small_run(tmp_path / "run", max_steps=steps, max_completion_length=2)
         return {**fields, "train_dataset": arithmetic_rows(True), "tools": [house_tools.shout],
-                "environment_factory": house_tools.Echo}
+                "environment_factory": house_tools.Echo, "processing_class": contents_tokenizer()}
 
     ESTrainer(**run(1)).train()
     sources = read_journal(tmp_path / "run").header["user_sources"]

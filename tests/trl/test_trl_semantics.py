@@ -68,3 +68,19 @@ def test_max_steps_minus_one_counts_epochs(fields, expected):
 def test_batch_field_mistakes_are_one_line(fields, message):
     with pytest.raises(ConfigError, match=message):
         ESConfig(**fields)
+
+
+def test_conversational_data_without_a_chat_template_is_trls_error(tmp_path):
+    """TRL refuses conversational prompts when the tokenizer has no chat template; ESTrainer did render them as plain
+    text without a word. Both now stop with TRL's words (ESTrainer's in one line)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    grpo = GRPOTrainer(model=TINY, reward_funcs=[answer_column_reward], train_dataset=arithmetic_rows(True, count=4),
+                       args=GRPOConfig(output_dir=str(tmp_path / "grpo"), max_steps=1, use_cpu=True, report_to="none",
+                                       per_device_train_batch_size=2, num_generations=2, max_completion_length=4))
+    with pytest.raises(ValueError, match="tokenizer.chat_template is not set"):
+        grpo.train()
+    with pytest.raises(ConfigError, match="^Cannot use chat template functions because tokenizer.chat_template is "
+                                          "not set") as refused:
+        es_trainer(tmp_path / "es", rows=arithmetic_rows(True, count=4), max_steps=1)
+    assert "\n" not in str(refused.value)
