@@ -76,6 +76,11 @@ def importable_label(value: Any) -> str | None:
         return None
 
 
+def is_rank_zero() -> bool:
+    """Whether this process speaks for the run: one process, or rank 0 of the workers."""
+    return not launched_distributed() or os.environ.get("RANK", "0") == "0"
+
+
 class _HookedTrainer(Trainer):
     """copes' Trainer with ESTrainer's callbacks at each journaled step, and the held-out scoring kept out of the
     training logs."""
@@ -152,7 +157,7 @@ class ESTrainer:
         self._explain_user_code()
 
         self.processing_class = processing_class
-        self.callbacks = list(callbacks or [])
+        self.callbacks = [*(callbacks or []), self._progress_callback()]
         self.datasets = (train_dataset, eval_dataset)
         self.model_spec = self._model_spec(model)
         self.rewards = TRLRewards(functions, [function_name(f) for f in functions], weights)
@@ -163,7 +168,7 @@ class ESTrainer:
             raise ConfigError("tools and environments need conversational prompts (a list of messages in 'prompt'), "
                               "as in TRL")
         self.cfg = self.args.train_config(len(self.task.rows["train"]), **self._trainer_set())
-        if not launched_distributed() or os.environ.get("RANK", "0") == "0":
+        if is_rank_zero():
             print(f"notice: {self._step_shape()}", file=sys.stderr, flush=True)
         self.state, self.control = self._fresh_state()
         self.trainer: _HookedTrainer | None = None
@@ -185,6 +190,12 @@ class ESTrainer:
         print(f"notice: {what} cannot be imported again (a lambda, a closure or a function of the script being run), "
               "so the journal cannot hash its code and a resume cannot check it is unchanged; move it into a module",
               file=sys.stderr, flush=True)
+
+    def _progress_callback(self) -> Any:
+        """transformers.Trainer's own: a step bar that writes each log line (disable_tqdm: the log lines only)."""
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        return PrinterCallback() if self.args.disable_tqdm else ProgressCallback()
 
     def _step_shape(self) -> str:
         """One line: what a step rolls out and how many run (TRL's batch and epoch fields, read as TRL reads them),
@@ -250,6 +261,7 @@ class ESTrainer:
                              logging_steps=self.args.logging_steps,
                              eval_steps=self.cfg.eval_every or self.args.logging_steps,
                              save_steps=self.cfg.checkpoint_every, train_batch_size=self.cfg.prompt_batch)
+        state.is_world_process_zero = state.is_local_process_zero = is_rank_zero()  # one bar, one log per run
         self.task.trainer_state = state
         return state, TrainerControl()
 

@@ -3,6 +3,8 @@ template error, progress, tool deadlines and schemas, GRPO's metric names, envir
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from copes import ESConfig, ESTrainer
@@ -15,6 +17,7 @@ from helpers.trl_twin import TINY, answer_column_reward, arithmetic_rows
 # and max_steps=-1 (TRL's default) with one epoch: 3 steps.
 TRL_BATCH = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=2, max_steps=-1,
                  num_train_epochs=1)
+STEP_BAR = re.compile(r"(^|[\r\n])\s*\d+%\|")  # transformers' step bar has no label (loading bars have one)
 ES_SMALL = dict(population_size=2, num_subspaces=1, sigma=0.01, chunk_size=4096, eval_size=0)
 
 
@@ -84,3 +87,17 @@ def test_conversational_data_without_a_chat_template_is_trls_error(tmp_path):
                                           "not set") as refused:
         es_trainer(tmp_path / "es", rows=arithmetic_rows(True, count=4), max_steps=1)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.slow
+def test_progress_bar_and_a_log_line_every_logging_steps(tmp_path, capsys):
+    """As transformers' Trainer shows a run: a step bar (stderr) and each logging_steps' logs as one line (stdout);
+    disable_tqdm keeps the lines without the bar."""
+    es_trainer(tmp_path / "bar", max_steps=3, logging_steps=2, prompt_batch_size=2).train()
+    shown = capsys.readouterr()
+    assert STEP_BAR.search(shown.err) and "3/3" in shown.err
+    lines = [line for line in shown.out.splitlines() if line.startswith("{'reward': ")]
+    assert len(lines) == 2 and "'epoch': " in lines[0]  # steps 2 and 3 (the last step is always logged)
+    es_trainer(tmp_path / "plain", max_steps=1, prompt_batch_size=2, disable_tqdm=True).train()
+    shown = capsys.readouterr()
+    assert not STEP_BAR.search(shown.err) and any(line.startswith("{'reward': ") for line in shown.out.splitlines())
