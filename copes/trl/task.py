@@ -8,7 +8,8 @@ tools and environments inside copes' agent loop (copes.ESTrainer's data side).
   [environments=,] **columns) -> list[float | None]`; completions are strings (standard) or one-message assistant
   lists (conversational); async functions run to completion; `None` is NaN. A completion's reward is TRL's: the
   weighted sum of the functions that scored it (`nansum`), NaN (invalid) only when none did.
-- Tools: a function with type hints and a Google-style docstring (transformers' `get_json_schema`). Environments:
+- Tools: a function with type hints and a Google-style docstring (transformers' `get_json_schema`); a call past
+  `tool_timeout_s` becomes an observation saying it timed out. Environments:
   one `environment_factory()` instance per rollout row, `reset(**row)` before the rollout (a returned string is
   appended to the last user message, as TRL does), its public methods as tools of that row, and an optional
   `get_reward()` that becomes one more reward function (named after the class, weight 1).
@@ -23,6 +24,7 @@ import hashlib
 import inspect
 import json
 import math
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -140,34 +142,60 @@ def _is_module(value: Any) -> bool:
     return any(cls.__name__ == "Module" and cls.__module__.startswith("torch.nn") for cls in type(value).__mro__)
 
 
-class FunctionTool:
-    """A TRL tool (a plain function with type hints and a docstring) as a copes agent tool."""
+def call_within(seconds: float, name: str, call: Callable[[], Any]) -> str:
+    """`call()`'s result as text, or an observation saying it timed out once `seconds` pass (0: no limit). The call
+    runs on a daemon thread: one that never returns is left behind without holding up the rollout or the exit."""
+    if not seconds:
+        return str(_run(call()))
+    outcome: dict[str, Any] = {}
 
-    def __init__(self, function: Callable[..., Any], schema: dict[str, Any] | None = None) -> None:
+    def run() -> None:
+        try:
+            outcome["observation"] = str(_run(call()))
+        except Exception as error:  # noqa: BLE001 - raised again in the caller, which turns it into an observation
+            outcome["error"] = error
+
+    worker = threading.Thread(target=run, name=f"tool {name}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        return f"Error: the {name} tool timed out after {seconds:g} s (tool_timeout_s); continue without its result."
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["observation"]
+
+
+class FunctionTool:
+    """A TRL tool (a plain function with type hints and a docstring) as a copes agent tool; a call past `timeout_s`
+    seconds becomes an observation saying so."""
+
+    def __init__(self, function: Callable[..., Any], schema: dict[str, Any] | None = None,
+                 timeout_s: float = 0.0) -> None:
         from transformers.utils import get_json_schema
 
         try:
             schema = schema or get_json_schema(function)["function"]
         except Exception as error:  # noqa: BLE001 - transformers says what the docstring or hints lack
             raise ConfigError(f"tool {function_name(function)}: {str(error).splitlines()[0]}") from None
-        self.function = function
+        self.function, self.timeout_s = function, timeout_s
         self.name, self.description = schema["name"], schema.get("description", "")
         self.parameters = schema.get("parameters", {"type": "object", "properties": {}})
 
     def call(self, arguments: dict) -> str:
-        return str(_run(self.function(**arguments)))
+        return call_within(self.timeout_s, self.name, lambda: self.function(**arguments))
 
 
 class EnvironmentTool:
     """One public method of the environment class; each call runs on the calling row's own instance."""
 
-    def __init__(self, environments: Environments, method: Callable[..., Any]) -> None:
-        self.environments, self.method_name = environments, method.__name__
+    def __init__(self, environments: Environments, method: Callable[..., Any], timeout_s: float = 0.0) -> None:
+        self.environments, self.method_name, self.timeout_s = environments, method.__name__, timeout_s
         described = FunctionTool(method)
         self.name, self.description, self.parameters = described.name, described.description, described.parameters
 
     def call_in_row(self, row: int, arguments: dict) -> str:
-        return str(_run(getattr(self.environments.current[row], self.method_name)(**arguments)))
+        method = getattr(self.environments.current[row], self.method_name)
+        return call_within(self.timeout_s, self.name, lambda: method(**arguments))
 
     def call(self, arguments: dict) -> str:
         raise RuntimeError(f"the {self.name} tool belongs to an environment instance and needs the rollout row")
@@ -190,8 +218,8 @@ class Environments:
         self.current: list[Any] = []
         self.waiting: deque[list[Any]] = deque()
 
-    def tools(self) -> list[EnvironmentTool]:
-        return [EnvironmentTool(self, method) for method in self.methods]
+    def tools(self, timeout_s: float = 0.0) -> list[EnvironmentTool]:
+        return [EnvironmentTool(self, method, timeout_s) for method in self.methods]
 
     def start(self, rows: Sequence[dict[str, Any]]) -> list[Any]:
         """Fresh instances for `rows`, reset with each row; returns what each reset returned."""

@@ -163,7 +163,9 @@ class ESTrainer:
         self.rewards = TRLRewards(functions, [function_name(f) for f in functions], weights)
         self.task = DatasetTask(dataset_rows(train_dataset, "train_dataset"), self._eval_rows(eval_dataset),
                                 self.rewards, processing_class, environments)
-        self.trl_tools = [FunctionTool(tool) for tool in tools or []] + (environments.tools() if environments else [])
+        timeout = self.args.tool_timeout_s
+        self.trl_tools = ([FunctionTool(tool, timeout_s=timeout) for tool in tools or []]
+                          + (environments.tools(timeout) if environments else []))
         if self.trl_tools and not self.task.chat:
             raise ConfigError("tools and environments need conversational prompts (a list of messages in 'prompt'), "
                               "as in TRL")

@@ -3,14 +3,19 @@ template error, progress, tool deadlines and schemas, GRPO's metric names, envir
 
 from __future__ import annotations
 
+import json
 import re
+import threading
+import time
 
 import pytest
 
 from copes import ESConfig, ESTrainer
 from copes.errors import ConfigError
+from copes.rollout.hf_engine import HFEngine
 from copes.run.journal import read_journal
 
+from helpers.tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer
 from helpers.trl_twin import TINY, answer_column_reward, arithmetic_rows
 
 # TRL's batch fields: generation_batch_size = 2 x 2 = 4 completions, // num_generations 2 = 2 prompts a step; six rows
@@ -101,3 +106,46 @@ def test_progress_bar_and_a_log_line_every_logging_steps(tmp_path, capsys):
     es_trainer(tmp_path / "plain", max_steps=1, prompt_batch_size=2, disable_tqdm=True).train()
     shown = capsys.readouterr()
     assert not STEP_BAR.search(shown.err) and any(line.startswith("{'reward': ") for line in shown.out.splitlines())
+
+
+def tool_call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def wait_forever(query: str) -> str:
+    """A tool that never answers.
+
+    Args:
+        query: anything
+    """
+    threading.Event().wait()
+    return "never"
+
+
+def test_a_hanging_tool_times_out_and_samples_hold_the_transcript(tmp_path, monkeypatch):
+    """A tool call past tool_timeout_s becomes an observation saying it timed out, the rollout goes on to the next
+    turn, training ends and leaves no thread to wait for; samples.jsonl (log_completions) holds the rendered prompt,
+    the question, the tool call with that observation, the turns, the gold answer beside the extracted one."""
+    tokenizer = build_tiny_tokenizer(tmp_path, chat_template="qwen")
+    checkpoint = build_tiny_checkpoint(tmp_path, chat_template="qwen")
+    policy = ScriptedPolicy(tokenizer, lambda prompt: "42" if "<tool_response>" in prompt
+                            else tool_call("wait_forever", query="x"))
+    monkeypatch.setattr("copes.rollout.agent.engine_for", lambda model: HFEngine(policy, row_caches=False))
+    rows = [{"prompt": [{"role": "user", "content": "What is 6x7?"}], "answer": "42"}]
+    args = ESConfig(output_dir=str(tmp_path / "run"), max_steps=1, population_size=2, num_subspaces=1,
+                    prompt_batch_size=1, max_completion_length=64, eval_size=0, chunk_size=4096, tool_timeout_s=0.5,
+                    log_completions=True, sample_prompts=1)
+    started = time.perf_counter()
+    trainer = ESTrainer(model=str(checkpoint), reward_funcs=[answer_column_reward], args=args,
+                        train_dataset=rows,
+                        processing_class=tokenizer, tools=[wait_forever])
+    trainer.train()
+    assert time.perf_counter() - started < 60
+    assert all(thread.daemon for thread in threading.enumerate() if thread is not threading.main_thread())
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples
+    for sample in samples:
+        assert sample["question"] == "What is 6x7?" and "What is 6x7?" in sample["prompt"]
+        assert sample["prompt"].startswith("<|im_start|>")  # rendered with the chat template
+        assert re.search("timed out|timeout|deadline", sample["tool_calls"][0]["observation"])
+        assert sample["num_turns"] == 2 and sample["gold"] == "42" and sample["extracted_answer"] == "42"
