@@ -149,3 +149,34 @@ def test_a_hanging_tool_times_out_and_samples_hold_the_transcript(tmp_path, monk
         assert sample["prompt"].startswith("<|im_start|>")  # rendered with the chat template
         assert re.search("timed out|timeout|deadline", sample["tool_calls"][0]["observation"])
         assert sample["num_turns"] == 2 and sample["gold"] == "42" and sample["extracted_answer"] == "42"
+
+
+def combine(first_number: int, second_number: int) -> int:
+    """Combine two numbers.
+
+    Args:
+        first_number: the first number
+        second_number: the second number
+    """
+    return first_number * 10 + second_number
+
+
+def test_a_tool_with_several_arguments_is_offered_and_called_with_all_of_them():
+    """A template without tool support offers tools in tags: a tool with several arguments is offered with the JSON
+    schema TRL renders for it (transformers' get_json_schema) and called with a JSON object of its arguments; a
+    one-argument tool keeps the form the embedded tool-using model was trained on."""
+    from transformers.utils import get_json_schema
+
+    from copes.rollout.templates import parse_tool_calls, tag_format_instructions
+    from copes.trl.task import FunctionTool
+
+    tools = [FunctionTool(combine), FunctionTool(wait_forever)]
+    offered = tag_format_instructions(tools).splitlines()
+    schema = json.dumps(get_json_schema(combine)["function"]["parameters"])
+    assert offered[1] == ('- <combine>{"first_number": ..., "second_number": ...}</combine>: Combine two numbers. The '
+                          f'input is a JSON object; its schema: {schema}')
+    assert offered[2] == "- <wait_forever>query</wait_forever>: A tool that never answers."
+    calls = parse_tool_calls('<combine>{"first_number": 4, "second_number": 2}</combine> <combine>4</combine> '
+                             '<combine>{"first_number": 4}</combine>', "tags", tools)
+    assert calls[0].valid and tools[0].call(calls[0].arguments) == "42"
+    assert "JSON object of its arguments" in calls[1].error and "second_number" in calls[2].error
