@@ -272,6 +272,8 @@ class DatasetTask(TaskBase):
         self.trainer_state: Any = None  # set by ESTrainer: reward functions receive it as `trainer_state`
         self.step_values: list[list[float]] = []  # per-function values of the training rollouts since the last log
         self.step_lengths: list[int] = []
+        self.step_tokens = 0  # prompt and completion tokens of those rollouts (TRL's num_tokens)
+        self._prompt_lengths: dict[str, int] = {}
         self.collecting = True  # False while the held-out set is scored
         self._examples: dict[str, list[Example]] = {}
 
@@ -292,6 +294,15 @@ class DatasetTask(TaskBase):
 
     def prompt(self, example: Example) -> Any:
         return example.meta["prompt"]
+
+    def _prompt_tokens(self, example: Example) -> int:
+        """Tokens of the row's prompt as the model reads it (chat template applied), once per row."""
+        if example.id not in self._prompt_lengths:
+            prompt = example.meta["prompt"]
+            ids = (self.tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+                   if self.chat else self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            self._prompt_lengths[example.id] = len(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return self._prompt_lengths[example.id]
 
     def start_rollout(self, rows: Sequence[Example]) -> list[Any]:
         """The rows' prompts; with an environment, each row's instance is made and reset first."""
@@ -319,34 +330,60 @@ class DatasetTask(TaskBase):
         if self.collecting:
             self.step_values += values
             self.step_lengths += [len(row_ids) for row_ids in ids]
+            self.step_tokens += sum(map(len, ids)) + sum(self._prompt_tokens(example) for example in examples)
         return [Score(reward=self.rewards.total(row_values),
                       correct=not math.isnan(row_values[0]) and row_values[0] >= CORRECT_AT,
                       answer=extract_answer(completion))
                 for completion, row_values in zip(completions, values)]
 
-    def drain_step_tally(self) -> dict[str, tuple[float, int]]:
-        """The sums and counts behind GRPO's per-function means and mean completion length, over this process's
-        training rollouts since the last call; `step_log` merges every rank's into the logged means."""
-        values, lengths = self.step_values, self.step_lengths
-        self.step_values, self.step_lengths = [], []
-        tally: dict[str, tuple[float, int]] = {}
+    def drain_step_tally(self) -> dict[str, list[float]]:
+        """This process's training rollouts since the last call, as the values behind GRPO's logged keys: each
+        reward function's values (`rewards/<name>`), completion lengths, prompt + completion tokens and the
+        functions' log_metric values; `step_log` merges every rank's into the logged keys."""
+        values, lengths, tokens = self.step_values, self.step_lengths, self.step_tokens
+        self.step_values, self.step_lengths, self.step_tokens = [], [], 0
+        tally: dict[str, list[float]] = {"num_tokens": [float(tokens)]}
         for index, name in enumerate(self.rewards.names):
-            scored = [row[index] for row in values if not math.isnan(row[index])]
             if values:
-                tally[f"rewards/{name}/mean"] = (sum(scored), len(scored))
+                tally[f"rewards/{name}"] = [row[index] for row in values if not math.isnan(row[index])]
         if lengths:
-            tally["completions/mean_length"] = (sum(lengths), len(lengths))
-        for name, logged_values in self.rewards.metrics.items():
-            tally[name] = (sum(logged_values), len(logged_values))
+            tally[LENGTHS] = [float(length) for length in lengths]
+        tally.update(self.rewards.metrics)
         self.rewards.metrics = {}
         return tally
 
 
-def step_log(tallies: Sequence[dict[str, tuple[float, int]]]) -> dict[str, float]:
-    """Every rank's `drain_step_tally`, merged into the means GRPO logs (NaN for a reward no row scored validly)."""
-    totals: dict[str, tuple[float, int]] = {}
+LENGTHS = "completions/length"  # a tally's completion lengths in tokens (logged as their mean, min, max, clipped)
+
+
+def _std(values: Sequence[float]) -> float:
+    """TRL's nanstd (Bessel-corrected) of valid values; 0 for fewer than two."""
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1))
+
+
+def step_log(tallies: Sequence[dict[str, list[float]]], reward_names: Sequence[str],
+             max_completion_tokens: int) -> dict[str, float]:
+    """Every rank's `drain_step_tally`, merged into GRPO's keys: `rewards/<name>/mean` and `/std` (NaN for a
+    function no row scored validly), `completions/mean_length`, `min_length`, `max_length`, `clipped_ratio` (rows
+    whose last turn used all `max_completion_tokens`), the step's `num_tokens`, and each log_metric name's mean."""
+    merged: dict[str, list[float]] = {}
     for tally in tallies:
-        for key, (total, count) in tally.items():
-            before_total, before_count = totals.get(key, (0.0, 0))
-            totals[key] = (before_total + total, before_count + count)
-    return {key: total / count if count else math.nan for key, (total, count) in totals.items()}
+        for key, values in tally.items():
+            merged.setdefault(key, []).extend(values)
+    logged: dict[str, float] = {}
+    for name in reward_names:
+        if f"rewards/{name}" in merged:
+            scored = merged.pop(f"rewards/{name}")
+            logged[f"rewards/{name}/mean"] = sum(scored) / len(scored) if scored else math.nan
+            logged[f"rewards/{name}/std"] = _std(scored) if scored else math.nan
+    lengths = merged.pop(LENGTHS, [])
+    if lengths:
+        logged.update({"completions/mean_length": sum(lengths) / len(lengths),
+                       "completions/min_length": min(lengths), "completions/max_length": max(lengths),
+                       "completions/clipped_ratio": sum(n >= max_completion_tokens for n in lengths) / len(lengths)})
+    logged["num_tokens"] = sum(merged.pop("num_tokens", []))
+    logged.update({key: sum(values) / len(values) for key, values in merged.items() if values})
+    return logged

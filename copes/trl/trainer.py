@@ -87,16 +87,20 @@ class _HookedTrainer(Trainer):
 
     es: ESTrainer
     step_rewards: torch.Tensor | None = None  # [members, questions] of the step just done, as journaled
+    step_seconds = 0.0
 
     def population_step(self, step: int, examples: list[Any]) -> Any:
+        started = time.perf_counter()
         stats = super().population_step(step, examples)
+        self.step_seconds = time.perf_counter() - started  # TRL's step_time: the step's rollouts, scoring, update
         recorded = self.record.journal.recorded(step + 1)  # every rank's members, gathered
         self.step_rewards = torch.stack([recorded[member] for member in sorted(recorded)])
         return stats
 
     def after_step(self, step: int, metrics: dict[str, Any]) -> bool:
         tally = self.task.drain_step_tally()  # this rank's members; rank 0 logs over every rank's
-        logged = step_log(gather_values(tally, step) if self.dist else [tally])
+        logged = step_log(gather_values(tally, step) if self.dist else [tally], self.task.rewards.names,
+                          self.cfg.max_new_tokens)
         stop = self.es.step_done(step, metrics, logged) if self.is_main else False
         return bool(self.share(stop, step))  # rank 0's callbacks decide for every rank
 
@@ -298,12 +302,14 @@ class ESTrainer:
         state, cfg = self.state, self.cfg
         state.global_step = step
         state.epoch = step * cfg.prompt_batch / len(self.task.rows["train"])
+        state.num_input_tokens_seen += int(logged.pop("num_tokens"))
         self.control = self._event("on_step_end")
         if step % self.args.logging_steps == 0 or step == cfg.steps:
             self.log({**self.reward_stats(), **logged,
                       **{k: v for k, v in metrics.items() if k.startswith("rewards/")},  # the Trainer's own, if any
-                      "update_norm": metrics["update_norm"], "num_invalid_rewards": metrics["num_invalid_rewards"],
-                      "epoch": state.epoch})
+                      "num_tokens": state.num_input_tokens_seen, "learning_rate": cfg.lr,
+                      "step_time": self.trainer.step_seconds, "update_norm": metrics["update_norm"],
+                      "num_invalid_rewards": metrics["num_invalid_rewards"], "epoch": state.epoch})
         if metrics.get("eval"):
             self._evaluated(metrics["eval"])
         if self.trainer.record.saved_step == step:
@@ -355,6 +361,8 @@ class ESTrainer:
             trainer.resume(self.cfg.output_dir if resume is True else str(resume))
             self.state.global_step = trainer.start_step
             self.state.log_history = self._earlier_logs(trainer.start_step)
+            self.state.num_input_tokens_seen = max((entry.get("num_tokens", 0) for entry in self.state.log_history),
+                                                   default=0)
         started = time.perf_counter()
         self.control = self._event("on_train_begin")
         self.control = self._event("on_step_begin")

@@ -15,7 +15,8 @@ from copes.modeling import resolve_model_path
 TINY = resolve_model_path("tiny")  # the embedded 66.6K-parameter arithmetic model (characters 0-9 + - * = and \n)
 # The embedded tokenizer has no chat template; this one renders a conversation as its contents, which it can spell.
 CONTENTS_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-SHARED_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length")
+SHARED_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
+               "completions/max_length", "completions/clipped_ratio", "num_tokens", "learning_rate", "step_time")
 
 
 def contents_tokenizer() -> Any:

@@ -54,7 +54,7 @@ def assert_bitwise_equal(first, second):
 def test_one_script_trains_with_grpo_and_with_es(tmp_path, conversational):
     """Only the import line and each config's own fields differ: both train 2 steps on the embedded model with the
     same data (extra columns), rewards (TRL's accuracy_reward, a user function reading a column) and callback, and
-    both log GRPO's shared keys, `rewards/<name>/mean` for every reward function included."""
+    both log GRPO's shared keys, `rewards/<name>/mean` and `/std` for every reward function included."""
     from trl import GRPOConfig, GRPOTrainer
 
     grpo, grpo_recorder = train_twin(GRPOTrainer, GRPOConfig, conversational=conversational,
@@ -63,7 +63,7 @@ def test_one_script_trains_with_grpo_and_with_es(tmp_path, conversational):
     es, es_recorder = train_twin(ESTrainer, ESConfig, conversational=conversational, output_dir=str(tmp_path / "es"),
                                  **ES_FIELDS)
     names = ["accuracy_reward", "answer_column_reward"] if conversational else ["answer_column_reward"]
-    keys = [*SHARED_KEYS, *(f"rewards/{name}/mean" for name in names)]
+    keys = [*SHARED_KEYS, *(f"rewards/{name}/{statistic}" for name in names for statistic in ("mean", "std"))]
     for recorder in (grpo_recorder, es_recorder):
         assert recorder.events == ["train_begin", "step_end 1", "step_end 2", "train_end"]
         step_logs = [logs for logs in recorder.logs if "reward" in logs]

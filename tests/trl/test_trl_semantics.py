@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from copes import ESConfig, ESTrainer
 from copes.errors import ConfigError
@@ -26,10 +27,10 @@ STEP_BAR = re.compile(r"(^|[\r\n])\s*\d+%\|")  # transformers' step bar has no l
 ES_SMALL = dict(population_size=2, num_subspaces=1, sigma=0.01, chunk_size=4096, eval_size=0)
 
 
-def es_trainer(output_dir, rows=None, **fields):
+def es_trainer(output_dir, rows=None, rewards=(answer_column_reward,), **fields):
     args = ESConfig(output_dir=str(output_dir), learning_rate=0.0025, seed=0, max_completion_length=4,
                     **{**ES_SMALL, **fields})
-    return ESTrainer(model=TINY, reward_funcs=[answer_column_reward], args=args,
+    return ESTrainer(model=TINY, reward_funcs=list(rewards), args=args,
                      train_dataset=rows if rows is not None else arithmetic_rows(False, count=6))
 
 
@@ -180,3 +181,32 @@ def test_a_tool_with_several_arguments_is_offered_and_called_with_all_of_them():
                              '<combine>{"first_number": 4}</combine>', "tags", tools)
     assert calls[0].valid and tools[0].call(calls[0].arguments) == "42"
     assert "JSON object of its arguments" in calls[1].error and "second_number" in calls[2].error
+
+
+def same_for_everyone(completions, **kwargs) -> list[float]:
+    return [0.5] * len(completions)
+
+
+def test_grpo_metrics_of_a_step_and_a_step_without_signal(tmp_path):
+    """TRL's per-step keys with their meaning: completion lengths (mean, min, max, the share that used every allowed
+    token), tokens seen so far, the learning rate, the step's seconds, each reward's std. A step where every member
+    scores the same leaves the weights where they were and counts every prompt in frac_reward_zero_std."""
+    trainer = es_trainer(tmp_path / "run", rewards=[answer_column_reward, same_for_everyone], max_steps=2,
+                         prompt_batch_size=3, reward_weights=[1.0, 0.0])
+    trainer.train()
+    first, second = [entry for entry in trainer.state.log_history if "reward" in entry]
+    for entry in (first, second):
+        assert entry["completions/min_length"] <= entry["completions/mean_length"] <= entry["completions/max_length"]
+        assert entry["completions/max_length"] <= 4 and 0.0 <= entry["completions/clipped_ratio"] <= 1.0
+        assert entry["learning_rate"] == 0.0025 and entry["step_time"] > 0
+        assert entry["rewards/same_for_everyone/std"] == 0.0 and entry["rewards/same_for_everyone/mean"] == 0.5
+    # 2 members x 3 prompts a step: each prompt "ab+cd=" is 6 tokens, each completion at most 4
+    assert 2 * 3 * 6 < first["num_tokens"] <= 2 * 3 * 10 and second["num_tokens"] > first["num_tokens"]
+    assert trainer.state.num_input_tokens_seen == second["num_tokens"]
+
+    flat = es_trainer(tmp_path / "flat", rewards=[same_for_everyone], max_steps=1, prompt_batch_size=3)
+    before = {name: tensor.clone() for name, tensor in flat.model.state_dict().items()}
+    flat.train()
+    logged = next(entry for entry in flat.state.log_history if "reward" in entry)
+    assert logged["frac_reward_zero_std"] == 1.0 and logged["update_norm"] == 0.0
+    assert all(torch.equal(before[name], tensor) for name, tensor in flat.model.state_dict().items())
