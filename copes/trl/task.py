@@ -9,10 +9,10 @@ tools and environments inside copes' agent loop (copes.ESTrainer's data side).
   lists (conversational); async functions run to completion; `None` is NaN. A completion's reward is TRL's: the
   weighted sum of the functions that scored it (`nansum`), NaN (invalid) only when none did.
 - Tools: a function with type hints and a Google-style docstring (transformers' `get_json_schema`); a call past
-  `tool_timeout_s` becomes an observation saying it timed out. Environments:
-  one `environment_factory()` instance per rollout row, `reset(**row)` before the rollout (a returned string is
-  appended to the last user message, as TRL does), its public methods as tools of that row, and an optional
-  `get_reward()` that becomes one more reward function (named after the class, weight 1).
+  `tool_timeout_s` becomes an observation saying it timed out. Environments: one `environment_factory()` instance
+  per rollout row, `reset(**row)` before the rollout (a returned string is appended to the last user message, as
+  TRL does; without a train_dataset it is the user message), its public methods as tools of that row, and an
+  optional `get_reward()` that becomes one more reward function (named after the class, weight 1).
 
 Each member's completions for the shared prompt batch are scored in one call per function.
 """
@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import json
 import math
+import random
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -217,15 +218,29 @@ class Environments:
         self.has_reward = callable(getattr(probe, "get_reward", None))
         self.current: list[Any] = []
         self.waiting: deque[list[Any]] = deque()
+        self.owns_data = False  # True without a train_dataset: reset() deals each question (owned_rows)
+
+    def owned_rows(self, count: int) -> list[dict[str, Any]]:
+        """`count` empty conversational rows for an environment that owns the data: each reset() returns the
+        row's question (TRL's train_dataset=None)."""
+        self.owns_data = True
+        return [{"prompt": []} for _ in range(count)]
 
     def tools(self, timeout_s: float = 0.0) -> list[EnvironmentTool]:
         return [EnvironmentTool(self, method, timeout_s) for method in self.methods]
 
-    def start(self, rows: Sequence[dict[str, Any]]) -> list[Any]:
-        """Fresh instances for `rows`, reset with each row; returns what each reset returned."""
+    def start(self, rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[Any]:
+        """Fresh instances for `rows`, reset with each row; returns what each reset returned. Where the environment
+        owns the data (no train_dataset), Python's `random` is seeded with the row's key before each reset, so
+        every member is dealt the same question for a row (ES compares members on shared questions)."""
         self.current = [self.factory() for _ in rows]
         self.waiting.append(self.current)
-        return [_run(environment.reset(**row)) for environment, row in zip(self.current, rows)]
+        observations = []
+        for environment, row, key in zip(self.current, rows, keys):
+            if self.owns_data:
+                random.seed(key)
+            observations.append(_run(environment.reset(**row)))
+        return observations
 
     def take(self, rows: int) -> list[Any]:
         """The instances of the oldest rollout not scored yet (its `rows` rows)."""
@@ -244,9 +259,15 @@ class Environments:
 
 
 def _with_observation(prompt: Any, observation: Any) -> Any:
-    """TRL's rule: a string `reset()` returns is appended to the last message's content."""
+    """TRL's rule: a string `reset()` returns is appended to the last message's content (is the user message, for
+    an environment that owns the data)."""
     if not isinstance(observation, str):
+        if not prompt:
+            raise ConfigError("the environment owns the data (no train_dataset), but its reset() returned "
+                              f"{type(observation).__name__}, not the prompt text")
         return prompt
+    if not prompt:
+        return [{"role": "user", "content": observation}]
     if isinstance(prompt, str):
         return prompt + observation
     return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
@@ -277,6 +298,11 @@ class DatasetTask(TaskBase):
         self.collecting = True  # False while the held-out set is scored
         self._examples: dict[str, list[Example]] = {}
 
+    @property
+    def owns_data(self) -> bool:
+        """Whether the environment deals the training prompts (no train_dataset)."""
+        return self.environments is not None and self.environments.owns_data
+
     def examples(self, split: str, limit: int | None = None) -> list[Example]:
         key = "train" if split == "train" else "validation"
         if split not in ("train", "validation", "test") or not self.rows[key] and split != "train":
@@ -287,7 +313,7 @@ class DatasetTask(TaskBase):
 
     def _example(self, split: str, index: int, row: dict[str, Any]) -> Example:
         prompt = row["prompt"]
-        question = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", ""))
+        question = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", "")) if prompt else ""
         gold = row.get("solution", row.get(self.answer_field))
         golds = tuple(map(str, gold)) if isinstance(gold, (list, tuple)) else (() if gold is None else (str(gold),))
         return Example(id=f"{split}-{index}", question=question, golds=golds, meta=row)
@@ -295,22 +321,22 @@ class DatasetTask(TaskBase):
     def prompt(self, example: Example) -> Any:
         return example.meta["prompt"]
 
-    def _prompt_tokens(self, example: Example) -> int:
-        """Tokens of the row's prompt as the model reads it (chat template applied), once per row."""
-        if example.id not in self._prompt_lengths:
-            prompt = example.meta["prompt"]
-            ids = (self.tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
-                   if self.chat else self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-            self._prompt_lengths[example.id] = len(ids["input_ids"] if isinstance(ids, dict) else ids)
-        return self._prompt_lengths[example.id]
+    def _count_prompt_tokens(self, rows: Sequence[Example], prompts: Sequence[Any]) -> None:
+        """Tokens of each row's prompt as the model reads it (chat template applied), once per row."""
+        for example, prompt in zip(rows, prompts):
+            if example.id not in self._prompt_lengths:
+                ids = (self.tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+                       if self.chat else self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                self._prompt_lengths[example.id] = len(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def start_rollout(self, rows: Sequence[Example]) -> list[Any]:
         """The rows' prompts; with an environment, each row's instance is made and reset first."""
         prompts = [self.prompt(example) for example in rows]
-        if self.environments is None:
-            return prompts
-        observations = self.environments.start([example.meta for example in rows])
-        return [_with_observation(prompt, seen) for prompt, seen in zip(prompts, observations)]
+        if self.environments is not None:
+            observations = self.environments.start([example.meta for example in rows], [e.id for e in rows])
+            prompts = [_with_observation(prompt, seen) for prompt, seen in zip(prompts, observations)]
+        self._count_prompt_tokens(rows, prompts)
+        return prompts
 
     def score(self, completion: str, example: Example, *, used_tool: bool = False) -> Score:
         return self.score_batch([completion], [example], [used_tool])[0]
@@ -330,7 +356,7 @@ class DatasetTask(TaskBase):
         if self.collecting:
             self.step_values += values
             self.step_lengths += [len(row_ids) for row_ids in ids]
-            self.step_tokens += sum(map(len, ids)) + sum(self._prompt_tokens(example) for example in examples)
+            self.step_tokens += sum(map(len, ids)) + sum(self._prompt_lengths.get(e.id, 0) for e in examples)
         return [Score(reward=self.rewards.total(row_values),
                       correct=not math.isnan(row_values[0]) and row_values[0] >= CORRECT_AT,
                       answer=extract_answer(completion))

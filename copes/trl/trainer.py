@@ -139,8 +139,9 @@ class ESTrainer:
             raise ConfigError(f"args must be an ESConfig (from copes import ESConfig), got {type(self.args).__name__}")
         if isinstance(environment_factory, dict):
             raise ConfigError("environment_factory: ESTrainer takes one factory, not a dict of environments")
-        if train_dataset is None:
-            raise ConfigError("ESTrainer needs a train_dataset (TRL's prompt-only format: a 'prompt' column)")
+        if train_dataset is None and environment_factory is None:
+            raise ConfigError("ESTrainer needs a train_dataset (TRL's prompt-only format: a 'prompt' column), or an "
+                              "environment_factory whose reset() returns each prompt")
         for line in self.args.notices():
             print(f"notice: {line}", file=sys.stderr, flush=True)
 
@@ -165,7 +166,7 @@ class ESTrainer:
         self.datasets = (train_dataset, eval_dataset)
         self.model_spec = self._model_spec(model)
         self.rewards = TRLRewards(functions, [function_name(f) for f in functions], weights)
-        self.task = DatasetTask(dataset_rows(train_dataset, "train_dataset"), self._eval_rows(eval_dataset),
+        self.task = DatasetTask(self._train_rows(train_dataset, environments), self._eval_rows(eval_dataset),
                                 self.rewards, processing_class, environments)
         timeout = self.args.tool_timeout_s
         self.trl_tools = ([FunctionTool(tool, timeout_s=timeout) for tool in tools or []]
@@ -227,6 +228,16 @@ class ESTrainer:
         if self.processing_class is not None:
             self.processing_class.save_pretrained(folder)
         return str(folder)
+
+    def _train_rows(self, train_dataset: Any, environments: Environments | None) -> list[dict[str, Any]]:
+        """The dataset's rows; without one, the environment owns the data: max_steps steps of fresh rows, each
+        prompt what reset() returns (TRL's train_dataset=None)."""
+        if train_dataset is not None:
+            return dataset_rows(train_dataset, "train_dataset")
+        if self.args.max_steps < 0:
+            raise ConfigError("with no train_dataset the environment deals the prompts and nothing counts epochs: "
+                              "set max_steps")
+        return environments.owned_rows(self.args.max_steps * self.args.prompts_per_step())
 
     def _eval_rows(self, eval_dataset: Any) -> list[dict[str, Any]]:
         if eval_dataset is None:
@@ -390,7 +401,8 @@ class ESTrainer:
             given = {option.name: getattr(self.args, option.name) for option in fields(self.args)}
             spec.write_bytes(pickle.dumps({
                 "model": self.model_spec, "args": {name: given[name] for name in self.args.set_fields},
-                "train_dataset": self.task.rows["train"], "eval_dataset": self.task.rows["validation"] or None,
+                "train_dataset": None if self.task.owns_data else self.task.rows["train"],
+                "eval_dataset": self.task.rows["validation"] or None,
                 "reward_funcs": self.user_code["reward"], "tools": self.user_code["tool"],
                 "environment_factory": (self.user_code["environment_factory"] or [None])[0],
                 "processing_class": processing_class, "resume": resume}))

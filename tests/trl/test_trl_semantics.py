@@ -3,7 +3,9 @@ template error, progress, tool deadlines and schemas, GRPO's metric names, envir
 
 from __future__ import annotations
 
+import collections
 import json
+import random
 import re
 import threading
 import time
@@ -17,7 +19,7 @@ from copes.rollout.hf_engine import HFEngine
 from copes.run.journal import read_journal
 
 from helpers.tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer
-from helpers.trl_twin import TINY, answer_column_reward, arithmetic_rows
+from helpers.trl_twin import TINY, answer_column_reward, arithmetic_rows, contents_tokenizer
 
 # TRL's batch fields: generation_batch_size = 2 x 2 = 4 completions, // num_generations 2 = 2 prompts a step; six rows
 # and max_steps=-1 (TRL's default) with one epoch: 3 steps.
@@ -210,3 +212,37 @@ def test_grpo_metrics_of_a_step_and_a_step_without_signal(tmp_path):
     logged = next(entry for entry in flat.state.log_history if "reward" in entry)
     assert logged["frac_reward_zero_std"] == 1.0 and logged["update_norm"] == 0.0
     assert all(torch.equal(before[name], tensor) for name, tensor in flat.model.state_dict().items())
+
+
+class SumDealer:
+    """An environment that owns the data: each reset() deals a fresh sum as the prompt."""
+
+    dealt: list[str] = []
+
+    def reset(self, **row) -> str:
+        first, second = random.randint(10, 49), random.randint(10, 49)
+        self.answer = str(first + second)
+        SumDealer.dealt.append(f"{first}+{second}=")
+        return SumDealer.dealt[-1]
+
+
+def dealt_sum_reward(completions, environments, **kwargs) -> list[float]:
+    return [float(c[0]["content"].strip() == e.answer) for c, e in zip(completions, environments)]
+
+
+def test_an_environment_owns_the_data_without_a_train_dataset(tmp_path):
+    """environment_factory with train_dataset=None (TRL 1.18): reset() returns each prompt and max_steps sets the
+    length; every member is dealt the same question for a row, so members compare on shared questions."""
+    SumDealer.dealt.clear()
+    args = ESConfig(output_dir=str(tmp_path / "run"), max_steps=2, prompt_batch_size=2, max_completion_length=4,
+                    **ES_SMALL)
+    trainer = ESTrainer(model=TINY, reward_funcs=[dealt_sum_reward], args=args, train_dataset=None,
+                        processing_class=contents_tokenizer(), environment_factory=SumDealer)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    dealt = collections.Counter(SumDealer.dealt)  # 2 steps x 2 questions, each dealt once to each of 2 members
+    assert len(dealt) == 4 and set(dealt.values()) == {2}
+    assert all(0.0 <= entry["reward"] <= 1.0 for entry in trainer.state.log_history if "reward" in entry)
+    with pytest.raises(ConfigError, match="no train_dataset .* set max_steps"):
+        ESTrainer(model=TINY, reward_funcs=[dealt_sum_reward], environment_factory=SumDealer,
+                  args=ESConfig(output_dir=str(tmp_path / "endless"), **ES_SMALL))
