@@ -218,15 +218,19 @@ class ESTrainer:
                 f"{cfg.lr:g} is ES's step size alpha (the paper's 5e-4), not a gradient optimizer's")
 
     def _model_spec(self, model: Any) -> str:
-        """The model as a path or hub id; a model object is saved once under output_dir/base_model."""
+        """The model as a hub id or an absolute path (the journal's, so copes-replay finds it from any folder); a
+        model object is saved once under output_dir/base_model."""
         if isinstance(model, (str, Path)):
-            return str(model)
+            return str(Path(model).resolve()) if Path(model).exists() else str(model)
         if not hasattr(model, "save_pretrained"):
             raise ConfigError(f"model must be a hub id, a local path or a PreTrainedModel, got {type(model).__name__}")
-        folder = Path(self.args.output_dir) / "base_model"
+        folder = (Path(self.args.output_dir) / "base_model").resolve()
         model.save_pretrained(folder)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(folder)
+        if self.processing_class is None:  # TRL's default: the tokenizer the model was loaded with
+            from transformers import AutoTokenizer
+
+            self.processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        self.processing_class.save_pretrained(folder)
         return str(folder)
 
     def _train_rows(self, train_dataset: Any, environments: Environments | None) -> list[dict[str, Any]]:

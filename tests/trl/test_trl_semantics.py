@@ -246,3 +246,26 @@ def test_an_environment_owns_the_data_without_a_train_dataset(tmp_path):
     with pytest.raises(ConfigError, match="no train_dataset .* set max_steps"):
         ESTrainer(model=TINY, reward_funcs=[dealt_sum_reward], environment_factory=SumDealer,
                   args=ESConfig(output_dir=str(tmp_path / "endless"), **ES_SMALL))
+
+
+def test_a_run_with_relative_paths_replays_from_another_folder(tmp_path, monkeypatch):
+    """A script run with a relative output_dir and a model object (saved to output_dir/base_model) journals
+    absolute paths: copes-replay rebuilds the trained weights from any folder."""
+    from transformers import AutoModelForCausalLM
+
+    from copes.run.replay import replay_run
+
+    (tmp_path / "script").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "script")
+    args = ESConfig(output_dir="run", max_steps=1, prompt_batch_size=2, max_completion_length=4, learning_rate=0.0025,
+                    **ES_SMALL)
+    trainer = ESTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), reward_funcs=[answer_column_reward],
+                        args=args, train_dataset=arithmetic_rows(False, count=4))
+    trainer.train()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    steps, _ = replay_run(tmp_path / "script" / "run", "replayed", progress=False)
+    replayed = AutoModelForCausalLM.from_pretrained("replayed").state_dict()
+    assert steps == 1
+    assert all(torch.equal(replayed[name], tensor) for name, tensor in trainer.model.state_dict().items()
+               if name in replayed)
