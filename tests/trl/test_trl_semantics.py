@@ -249,19 +249,22 @@ def test_an_environment_owns_the_data_without_a_train_dataset(tmp_path):
 
 
 def test_a_run_with_relative_paths_replays_from_another_folder(tmp_path, monkeypatch):
-    """A script run with a relative output_dir and a model object (saved to output_dir/base_model) journals
-    absolute paths: copes-replay rebuilds the trained weights from any folder."""
-    from transformers import AutoModelForCausalLM
+    """A script run with a relative model path and output_dir journals absolute paths: copes-replay rebuilds the
+    trained weights from any folder. A model object without processing_class is saved with its own tokenizer (TRL
+    loads the model's), so its run can load it back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from copes.run.replay import replay_run
 
-    (tmp_path / "script").mkdir()
     (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for part in (AutoModelForCausalLM, AutoTokenizer):
+        part.from_pretrained(TINY).save_pretrained("script/model")
     monkeypatch.chdir(tmp_path / "script")
     args = ESConfig(output_dir="run", max_steps=1, prompt_batch_size=2, max_completion_length=4, learning_rate=0.0025,
                     **ES_SMALL)
-    trainer = ESTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), reward_funcs=[answer_column_reward],
-                        args=args, train_dataset=arithmetic_rows(False, count=4))
+    trainer = ESTrainer(model="model", reward_funcs=[answer_column_reward], args=args,
+                        train_dataset=arithmetic_rows(False, count=4))
     trainer.train()
     monkeypatch.chdir(tmp_path / "elsewhere")
     steps, _ = replay_run(tmp_path / "script" / "run", "replayed", progress=False)
@@ -269,3 +272,7 @@ def test_a_run_with_relative_paths_replays_from_another_folder(tmp_path, monkeyp
     assert steps == 1
     assert all(torch.equal(replayed[name], tensor) for name, tensor in trainer.model.state_dict().items()
                if name in replayed)
+
+    ESTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), reward_funcs=[answer_column_reward],
+              train_dataset=arithmetic_rows(False, count=4), args=ESConfig(output_dir="object", **ES_SMALL))
+    assert AutoTokenizer.from_pretrained("object/base_model").vocab == AutoTokenizer.from_pretrained(TINY).vocab
