@@ -210,9 +210,10 @@ class ESTrainer:
         cfg, args = self.cfg, self.args
         source = ("generation_batch_size // num_generations" if args.trl_prompts_per_step() is not None
                   else "prompt_batch_size")
-        steps = f"{cfg.steps} steps"
+        steps = f"{cfg.steps} step{'s' * (cfg.steps != 1)}"
         if args.max_steps == -1:
-            steps += f" ({args.num_train_epochs:g} epochs of {len(self.task.rows['train'])} rows)"
+            epochs = args.num_train_epochs
+            steps += f" ({epochs:g} epoch{'s' * (epochs != 1)} of {len(self.task.rows['train'])} rows)"
         return (f"each step rolls out {cfg.prompt_batch} prompts ({source}) x {cfg.population} members "
                 f"(population_size) = {cfg.prompt_batch * cfg.population} rollouts; {steps}; learning_rate "
                 f"{cfg.lr:g} is ES's step size alpha (the paper's 5e-4), not a gradient optimizer's")

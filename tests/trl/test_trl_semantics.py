@@ -51,7 +51,7 @@ def test_batch_and_epoch_fields_give_trls_steps_and_prompts(tmp_path, capsys):
     es = es_trainer(tmp_path / "es", **TRL_BATCH)
     said = [line for line in capsys.readouterr().err.splitlines() if "rollouts" in line]
     assert said == ["notice: each step rolls out 2 prompts (generation_batch_size // num_generations) x 2 members "
-                    "(population_size) = 4 rollouts; 3 steps (1 epochs of 6 rows); learning_rate 0.0025 is ES's "
+                    "(population_size) = 4 rollouts; 3 steps (1 epoch of 6 rows); learning_rate 0.0025 is ES's "
                     "step size alpha (the paper's 5e-4), not a gradient optimizer's"]
     es.train()
     assert es.state.global_step == grpo.state.global_step == 3
