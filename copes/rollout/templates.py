@@ -116,9 +116,31 @@ def tag_format_instructions(tools: Sequence[Tool]) -> str:
     )
     lines = [header]
     for tool in tools:
-        argument = _main_parameter(tool) or "input"
-        lines.append(f"- <{tool.name}>{argument}</{tool.name}>: {tool.description}")
+        if _takes_several_arguments(tool):  # the whole arguments object, and its schema (TRL offers the schema too)
+            example = ", ".join(f'"{name}": ...' for name in tool.parameters["properties"])
+            lines.append(f"- <{tool.name}>{{{example}}}</{tool.name}>: {tool.description} The input is a JSON "
+                         f"object; its schema: {json.dumps(tool.parameters)}")
+        else:
+            argument = _main_parameter(tool) or "input"
+            lines.append(f"- <{tool.name}>{argument}</{tool.name}>: {tool.description}")
     return "\n".join(lines)
+
+
+def _takes_several_arguments(tool: Tool) -> bool:
+    """A tag body fills one argument; a tool with several takes a JSON object of them instead."""
+    return len(tool.parameters.get("properties") or {}) > 1
+
+
+def _tag_call(name: str, body: str, tool: Tool) -> ParsedCall:
+    """The call a `<name>body</name>` block makes: the body is the one argument, or the JSON arguments object."""
+    if not _takes_several_arguments(tool):
+        parameter = _main_parameter(tool)
+        return _check_required(name, {parameter: body.strip("\n")} if parameter else {}, tool)
+    arguments, error = _load_json(body)
+    if error or not isinstance(arguments, dict):
+        return ParsedCall(name, error=f"the <{name}> block must hold a JSON object of its arguments "
+                                      f"({', '.join(tool.parameters['properties'])})")
+    return _check_required(name, arguments, tool)
 
 
 def _with_tag_instructions(messages: Sequence[Message], tools: Sequence[Tool]) -> list[dict[str, Any]]:
@@ -411,7 +433,6 @@ def parse_tool_calls(text: str, fmt: str, tools: Sequence[Tool]) -> list[ParsedC
             elif not body.strip():
                 call = ParsedCall(name, error=f"the <{name}> block is empty")
             else:
-                parameter = _main_parameter(tool)
-                call = _check_required(name, {parameter: body.strip("\n")} if parameter else {}, tool)
+                call = _tag_call(name, body, tool)
             found.append((position, call))
     return [call for _, call in sorted(found, key=lambda item: item[0])]

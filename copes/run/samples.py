@@ -4,8 +4,11 @@ ones) under its perturbation; once the step's rewards are in, the full transcrip
 member (by mean training reward) are appended to `samples.jsonl`, one line per transcript:
 
     {"step", "role": "best"|"worst", "member", "member_reward", "question_id", "question", "prompt",
-     "completion", "model_text", "tool_calls": [{"name", "arguments", "valid", "observation"}], "answer",
-     "reward", "correct", "finished_by", "num_turns"}
+     "completion", "model_text", "tool_calls": [{"name", "arguments", "valid", "observation"}], "extracted_answer",
+     "gold", "reward", "correct", "finished_by", "num_turns"}
+
+`prompt` is the prompt as the model read it (chat template applied); `extracted_answer` the answer the task's scoring
+read from the completion; `gold` the reference answer (a list when the question has several, null without one).
 
 The extra rollouts are greedy, like every rollout, and run inside the member's own evaluation, so they change no
 reward, no update and no weight; their seconds count as rollout time at a sampling step. A member whose rewards
@@ -38,7 +41,8 @@ def transcript_record(example: Example, trajectory: Trajectory, score: Score) ->
     return {
         "question_id": example.id, "question": example.question, "prompt": trajectory.prompt,
         "completion": trajectory.completion, "model_text": trajectory.model_text,
-        "tool_calls": [asdict(call) for call in trajectory.tool_calls], "answer": score.answer,
+        "tool_calls": [asdict(call) for call in trajectory.tool_calls], "extracted_answer": score.answer,
+        "gold": example.golds[0] if len(example.golds) == 1 else list(example.golds) or None,
         "reward": score.reward, "correct": score.correct, "finished_by": trajectory.finished_by,
         "num_turns": trajectory.num_turns,
     }

@@ -6,13 +6,16 @@ where the meaning is shared (`max_steps` is `steps`, `learning_rate` is `lr`, `p
 `scale_rewards`, `max_tool_calling_iterations`, `use_vllm`, `bf16`, ...) are fields too, mapped by `train_config`.
 So the CLI, YAML, `copes.train` and `ESConfig` read one table and cannot drift.
 
-A GRPOConfig field with no ES meaning (`beta`, `num_generations`, `gradient_accumulation_steps`, ...) is accepted
-with one notice naming it, so a GRPO script runs with only its import line changed; a name GRPOConfig does not have
-either is a one-line ConfigError.
+TRL's batch fields (`per_device_train_batch_size`, `gradient_accumulation_steps`, `generation_batch_size`,
+`num_generations`) set the prompts of a step as TRL counts them (`generation_batch_size // num_generations`); every
+ES member then scores every prompt of the step. `max_steps=-1` (TRL's default) lets `num_train_epochs` decide.
+A GRPOConfig field with no ES meaning (`beta`, `loss_type`, ...) is accepted with one notice naming it, so a GRPO
+script runs with only its import line changed; a name GRPOConfig does not have either is a one-line ConfigError.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import MISSING, Field, field, fields, make_dataclass
 from typing import Any
@@ -30,7 +33,9 @@ GRPO_NAMES = {
 # fields below replace (eval_every: eval_strategy + eval_steps).
 TRAINER_SET = ("model", "task", "task_options", "reward", "reward_timeout_s", "plan", "eval_split", "eval_every")
 # Where ESTrainer's default differs from copes-run's: TRL users bring their own tools.
-ES_DEFAULTS = {"tools": False}
+ES_DEFAULTS = {"tools": False, "steps": -1}  # max_steps=-1: the epochs decide, as in TRL
+# TRL's defaults for its batch fields (TrainingArguments' per-device batch and accumulation, GRPOConfig's group).
+TRL_BATCH_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8}
 # scale_rewards -> fitness: GRPO standardises per prompt group ("group") or over the batch ("batch").
 SCALE_REWARDS = {"group": "per_question", True: "per_question", "batch": "joint"}
 
@@ -49,6 +54,21 @@ def _from_train_config(option: Field) -> tuple[str, Any, Any]:
 
 
 _GRPO_FIELDS = [
+    ("per_device_train_batch_size", "int | None", _grpo(None, "TRL's batch: with gradient_accumulation_steps and "
+                                                              "workers, generation_batch_size's default (TRL's: 8)")),
+    ("gradient_accumulation_steps", "int | None", _grpo(None, "TRL's batch (TRL's default: 1)")),
+    ("generation_batch_size", "int | None", _grpo(None, "completions per step in TRL; prompts per step = this // "
+                                                        "num_generations (default: per_device_train_batch_size x "
+                                                        "gradient_accumulation_steps x workers)")),
+    ("num_generations", "int | None", _grpo(None, "TRL's completions per prompt: only divides generation_batch_size "
+                                                  "into prompts (TRL's default: 8); ES scores each prompt once per "
+                                                  "member (population_size)")),
+    ("num_train_epochs", "float", _grpo(3.0, "with max_steps=-1: passes over train_dataset (steps = ceil(epochs x "
+                                             "rows // prompts per step), as TRL counts them)")),
+    ("disable_tqdm", "bool | None", _grpo(None, "True: no progress bar (the per-logging_steps lines stay in "
+                                                "log_history)")),
+    ("tool_timeout_s", "float", _grpo(60.0, "seconds a tool or environment call may take; past it the call's "
+                                            "observation says it timed out and the rollout goes on (0: no limit)")),
     ("logging_steps", "int", _grpo(1, "steps between on_log calls and log_history entries (ES steps are long: 1)")),
     ("eval_strategy", "str", _grpo("no", "no | steps: evaluate eval_dataset every eval_steps (it is evaluated before "
                                          "and after training either way)")),
@@ -114,9 +134,52 @@ class ESConfig(_ESFields):
                   "meaning for evolution strategies (docs/from-trl.md)", file=sys.stderr, flush=True)
         self.train_config(reward=[f"reward {i}" for i in range(len(self.reward_weights))])  # refuse bad values now
 
-    def translated(self) -> dict[str, Any]:
-        """The TrainConfig options GRPO's own fields set, each checked."""
-        layer: dict[str, Any] = {}
+    def trl_prompts_per_step(self) -> int | None:
+        """TRL's prompts per step, `generation_batch_size // num_generations` (generation_batch_size defaulting to
+        per_device_train_batch_size x gradient_accumulation_steps x processes); None when no batch field is set."""
+        given = {name: getattr(self, name) for name in [*TRL_BATCH_DEFAULTS, "generation_batch_size"]}
+        if all(value is None for value in given.values()):
+            return None
+        for name, value in given.items():
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        batch = {name: given[name] or default for name, default in TRL_BATCH_DEFAULTS.items()}
+        generation_batch = given["generation_batch_size"] or (batch["per_device_train_batch_size"]
+                                                              * batch["gradient_accumulation_steps"] * self.workers)
+        if generation_batch % batch["num_generations"]:
+            raise ConfigError(f"generation_batch_size ({generation_batch}) must be divisible by num_generations "
+                              f"({batch['num_generations']}), as in TRL")
+        return generation_batch // batch["num_generations"]
+
+    def prompts_per_step(self) -> int:
+        """The prompts every member scores each step: TRL's batch fields when set, else prompt_batch_size."""
+        trl_prompts = self.trl_prompts_per_step()
+        if trl_prompts is None:
+            return self.prompt_batch_size
+        if "prompt_batch_size" in self.set_fields and self.prompt_batch_size != trl_prompts:
+            raise ConfigError(f"prompt_batch_size={self.prompt_batch_size} and TRL's batch fields "
+                              f"(generation_batch_size // num_generations = {trl_prompts}) disagree; set one of them")
+        return trl_prompts
+
+    def steps_for(self, train_rows: int | None) -> int:
+        """max_steps, or with max_steps=-1 TRL's count for num_train_epochs over `train_rows` rows: each epoch is
+        rows // prompts per step steps (at least 1). None rows (not known yet): 1, to check the other fields."""
+        if self.max_steps >= 0:
+            return self.max_steps
+        if self.max_steps != -1:
+            raise ConfigError(f"max_steps must be >= 0, or -1 (num_train_epochs decides), got {self.max_steps}")
+        if not self.num_train_epochs > 0:
+            raise ConfigError(f"with max_steps=-1, num_train_epochs must be > 0, got {self.num_train_epochs}")
+        if train_rows is None:
+            return 1
+        return math.ceil(self.num_train_epochs * max(train_rows // self.prompts_per_step(), 1))
+
+    def translated(self, train_rows: int | None = None) -> dict[str, Any]:
+        """The TrainConfig options GRPO's own fields set, each checked; `train_rows` (the dataset's length) turns
+        max_steps=-1 into TRL's step count for num_train_epochs."""
+        layer: dict[str, Any] = {"prompt_batch": self.prompts_per_step(), "steps": self.steps_for(train_rows)}
+        if self.tool_timeout_s < 0:
+            raise ConfigError(f"tool_timeout_s must be >= 0 (0: no limit), got {self.tool_timeout_s}")
         if self.eval_strategy not in ("no", "steps"):
             raise ConfigError(f"eval_strategy must be 'no' or 'steps' (ES counts steps, not epochs), got "
                               f"{self.eval_strategy!r}")
@@ -158,11 +221,12 @@ class ESConfig(_ESFields):
             lines.append("vllm_gpu_memory_utilization is not used: copes sizes vLLM's KV cache by vllm_kv_cache_gib")
         return lines
 
-    def train_config(self, **trainer_set: Any) -> TrainConfig:
-        """The TrainConfig this config means, with the fields ESTrainer's arguments set (model, task, reward, ...)."""
+    def train_config(self, train_rows: int | None = None, **trainer_set: Any) -> TrainConfig:
+        """The TrainConfig this config means, with the fields ESTrainer's arguments set (model, task, reward, ...);
+        `train_rows`: the training dataset's length (max_steps=-1 counts epochs over it)."""
         layer = {option.metadata["train_config"]: getattr(self, option.name)
                  for option in fields(self) if "train_config" in option.metadata}
         try:
-            return build_config(layer, self.translated(), trainer_set)
+            return build_config(layer, self.translated(train_rows), trainer_set)
         except ConfigError as error:
             raise ConfigError(es_names(str(error))) from None

@@ -8,10 +8,11 @@ tools and environments inside copes' agent loop (copes.ESTrainer's data side).
   [environments=,] **columns) -> list[float | None]`; completions are strings (standard) or one-message assistant
   lists (conversational); async functions run to completion; `None` is NaN. A completion's reward is TRL's: the
   weighted sum of the functions that scored it (`nansum`), NaN (invalid) only when none did.
-- Tools: a function with type hints and a Google-style docstring (transformers' `get_json_schema`). Environments:
-  one `environment_factory()` instance per rollout row, `reset(**row)` before the rollout (a returned string is
-  appended to the last user message, as TRL does), its public methods as tools of that row, and an optional
-  `get_reward()` that becomes one more reward function (named after the class, weight 1).
+- Tools: a function with type hints and a Google-style docstring (transformers' `get_json_schema`); a call past
+  `tool_timeout_s` becomes an observation saying it timed out. Environments: one `environment_factory()` instance
+  per rollout row, `reset(**row)` before the rollout (a returned string is appended to the last user message, as
+  TRL does; without a train_dataset it is the user message), its public methods as tools of that row, and an
+  optional `get_reward()` that becomes one more reward function (named after the class, weight 1).
 
 Each member's completions for the shared prompt batch are scored in one call per function.
 """
@@ -23,6 +24,8 @@ import hashlib
 import inspect
 import json
 import math
+import random
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -140,34 +143,60 @@ def _is_module(value: Any) -> bool:
     return any(cls.__name__ == "Module" and cls.__module__.startswith("torch.nn") for cls in type(value).__mro__)
 
 
-class FunctionTool:
-    """A TRL tool (a plain function with type hints and a docstring) as a copes agent tool."""
+def call_within(seconds: float, name: str, call: Callable[[], Any]) -> str:
+    """`call()`'s result as text, or an observation saying it timed out once `seconds` pass (0: no limit). The call
+    runs on a daemon thread: one that never returns is left behind without holding up the rollout or the exit."""
+    if not seconds:
+        return str(_run(call()))
+    outcome: dict[str, Any] = {}
 
-    def __init__(self, function: Callable[..., Any], schema: dict[str, Any] | None = None) -> None:
+    def run() -> None:
+        try:
+            outcome["observation"] = str(_run(call()))
+        except Exception as error:  # noqa: BLE001 - raised again in the caller, which turns it into an observation
+            outcome["error"] = error
+
+    worker = threading.Thread(target=run, name=f"tool {name}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        return f"Error: the {name} tool timed out after {seconds:g} s (tool_timeout_s); continue without its result."
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["observation"]
+
+
+class FunctionTool:
+    """A TRL tool (a plain function with type hints and a docstring) as a copes agent tool; a call past `timeout_s`
+    seconds becomes an observation saying so."""
+
+    def __init__(self, function: Callable[..., Any], schema: dict[str, Any] | None = None,
+                 timeout_s: float = 0.0) -> None:
         from transformers.utils import get_json_schema
 
         try:
             schema = schema or get_json_schema(function)["function"]
         except Exception as error:  # noqa: BLE001 - transformers says what the docstring or hints lack
             raise ConfigError(f"tool {function_name(function)}: {str(error).splitlines()[0]}") from None
-        self.function = function
+        self.function, self.timeout_s = function, timeout_s
         self.name, self.description = schema["name"], schema.get("description", "")
         self.parameters = schema.get("parameters", {"type": "object", "properties": {}})
 
     def call(self, arguments: dict) -> str:
-        return str(_run(self.function(**arguments)))
+        return call_within(self.timeout_s, self.name, lambda: self.function(**arguments))
 
 
 class EnvironmentTool:
     """One public method of the environment class; each call runs on the calling row's own instance."""
 
-    def __init__(self, environments: Environments, method: Callable[..., Any]) -> None:
-        self.environments, self.method_name = environments, method.__name__
+    def __init__(self, environments: Environments, method: Callable[..., Any], timeout_s: float = 0.0) -> None:
+        self.environments, self.method_name, self.timeout_s = environments, method.__name__, timeout_s
         described = FunctionTool(method)
         self.name, self.description, self.parameters = described.name, described.description, described.parameters
 
     def call_in_row(self, row: int, arguments: dict) -> str:
-        return str(_run(getattr(self.environments.current[row], self.method_name)(**arguments)))
+        method = getattr(self.environments.current[row], self.method_name)
+        return call_within(self.timeout_s, self.name, lambda: method(**arguments))
 
     def call(self, arguments: dict) -> str:
         raise RuntimeError(f"the {self.name} tool belongs to an environment instance and needs the rollout row")
@@ -189,15 +218,29 @@ class Environments:
         self.has_reward = callable(getattr(probe, "get_reward", None))
         self.current: list[Any] = []
         self.waiting: deque[list[Any]] = deque()
+        self.owns_data = False  # True without a train_dataset: reset() deals each question (owned_rows)
 
-    def tools(self) -> list[EnvironmentTool]:
-        return [EnvironmentTool(self, method) for method in self.methods]
+    def owned_rows(self, count: int) -> list[dict[str, Any]]:
+        """`count` empty conversational rows for an environment that owns the data: each reset() returns the
+        row's question (TRL's train_dataset=None)."""
+        self.owns_data = True
+        return [{"prompt": []} for _ in range(count)]
 
-    def start(self, rows: Sequence[dict[str, Any]]) -> list[Any]:
-        """Fresh instances for `rows`, reset with each row; returns what each reset returned."""
+    def tools(self, timeout_s: float = 0.0) -> list[EnvironmentTool]:
+        return [EnvironmentTool(self, method, timeout_s) for method in self.methods]
+
+    def start(self, rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[Any]:
+        """Fresh instances for `rows`, reset with each row; returns what each reset returned. Where the environment
+        owns the data (no train_dataset), Python's `random` is seeded with the row's key before each reset, so
+        every member is dealt the same question for a row (ES compares members on shared questions)."""
         self.current = [self.factory() for _ in rows]
         self.waiting.append(self.current)
-        return [_run(environment.reset(**row)) for environment, row in zip(self.current, rows)]
+        observations = []
+        for environment, row, key in zip(self.current, rows, keys):
+            if self.owns_data:
+                random.seed(key)
+            observations.append(_run(environment.reset(**row)))
+        return observations
 
     def take(self, rows: int) -> list[Any]:
         """The instances of the oldest rollout not scored yet (its `rows` rows)."""
@@ -216,9 +259,15 @@ class Environments:
 
 
 def _with_observation(prompt: Any, observation: Any) -> Any:
-    """TRL's rule: a string `reset()` returns is appended to the last message's content."""
+    """TRL's rule: a string `reset()` returns is appended to the last message's content (is the user message, for
+    an environment that owns the data)."""
     if not isinstance(observation, str):
+        if not prompt:
+            raise ConfigError("the environment owns the data (no train_dataset), but its reset() returned "
+                              f"{type(observation).__name__}, not the prompt text")
         return prompt
+    if not prompt:
+        return [{"role": "user", "content": observation}]
     if isinstance(prompt, str):
         return prompt + observation
     return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
@@ -244,8 +293,15 @@ class DatasetTask(TaskBase):
         self.trainer_state: Any = None  # set by ESTrainer: reward functions receive it as `trainer_state`
         self.step_values: list[list[float]] = []  # per-function values of the training rollouts since the last log
         self.step_lengths: list[int] = []
+        self.step_tokens = 0  # prompt and completion tokens of those rollouts (TRL's num_tokens)
+        self._prompt_lengths: dict[str, int] = {}
         self.collecting = True  # False while the held-out set is scored
         self._examples: dict[str, list[Example]] = {}
+
+    @property
+    def owns_data(self) -> bool:
+        """Whether the environment deals the training prompts (no train_dataset)."""
+        return self.environments is not None and self.environments.owns_data
 
     def examples(self, split: str, limit: int | None = None) -> list[Example]:
         key = "train" if split == "train" else "validation"
@@ -257,7 +313,7 @@ class DatasetTask(TaskBase):
 
     def _example(self, split: str, index: int, row: dict[str, Any]) -> Example:
         prompt = row["prompt"]
-        question = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", ""))
+        question = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", "")) if prompt else ""
         gold = row.get("solution", row.get(self.answer_field))
         golds = tuple(map(str, gold)) if isinstance(gold, (list, tuple)) else (() if gold is None else (str(gold),))
         return Example(id=f"{split}-{index}", question=question, golds=golds, meta=row)
@@ -265,13 +321,22 @@ class DatasetTask(TaskBase):
     def prompt(self, example: Example) -> Any:
         return example.meta["prompt"]
 
+    def _count_prompt_tokens(self, rows: Sequence[Example], prompts: Sequence[Any]) -> None:
+        """Tokens of each row's prompt as the model reads it (chat template applied), once per row."""
+        for example, prompt in zip(rows, prompts):
+            if example.id not in self._prompt_lengths:
+                ids = (self.tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+                       if self.chat else self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                self._prompt_lengths[example.id] = len(ids["input_ids"] if isinstance(ids, dict) else ids)
+
     def start_rollout(self, rows: Sequence[Example]) -> list[Any]:
         """The rows' prompts; with an environment, each row's instance is made and reset first."""
         prompts = [self.prompt(example) for example in rows]
-        if self.environments is None:
-            return prompts
-        observations = self.environments.start([example.meta for example in rows])
-        return [_with_observation(prompt, seen) for prompt, seen in zip(prompts, observations)]
+        if self.environments is not None:
+            observations = self.environments.start([example.meta for example in rows], [e.id for e in rows])
+            prompts = [_with_observation(prompt, seen) for prompt, seen in zip(prompts, observations)]
+        self._count_prompt_tokens(rows, prompts)
+        return prompts
 
     def score(self, completion: str, example: Example, *, used_tool: bool = False) -> Score:
         return self.score_batch([completion], [example], [used_tool])[0]
@@ -291,34 +356,60 @@ class DatasetTask(TaskBase):
         if self.collecting:
             self.step_values += values
             self.step_lengths += [len(row_ids) for row_ids in ids]
+            self.step_tokens += sum(map(len, ids)) + sum(self._prompt_lengths.get(e.id, 0) for e in examples)
         return [Score(reward=self.rewards.total(row_values),
                       correct=not math.isnan(row_values[0]) and row_values[0] >= CORRECT_AT,
                       answer=extract_answer(completion))
                 for completion, row_values in zip(completions, values)]
 
-    def drain_step_tally(self) -> dict[str, tuple[float, int]]:
-        """The sums and counts behind GRPO's per-function means and mean completion length, over this process's
-        training rollouts since the last call; `step_log` merges every rank's into the logged means."""
-        values, lengths = self.step_values, self.step_lengths
-        self.step_values, self.step_lengths = [], []
-        tally: dict[str, tuple[float, int]] = {}
+    def drain_step_tally(self) -> dict[str, list[float]]:
+        """This process's training rollouts since the last call, as the values behind GRPO's logged keys: each
+        reward function's values (`rewards/<name>`), completion lengths, prompt + completion tokens and the
+        functions' log_metric values; `step_log` merges every rank's into the logged keys."""
+        values, lengths, tokens = self.step_values, self.step_lengths, self.step_tokens
+        self.step_values, self.step_lengths, self.step_tokens = [], [], 0
+        tally: dict[str, list[float]] = {"num_tokens": [float(tokens)]}
         for index, name in enumerate(self.rewards.names):
-            scored = [row[index] for row in values if not math.isnan(row[index])]
             if values:
-                tally[f"rewards/{name}/mean"] = (sum(scored), len(scored))
+                tally[f"rewards/{name}"] = [row[index] for row in values if not math.isnan(row[index])]
         if lengths:
-            tally["completions/mean_length"] = (sum(lengths), len(lengths))
-        for name, logged_values in self.rewards.metrics.items():
-            tally[name] = (sum(logged_values), len(logged_values))
+            tally[LENGTHS] = [float(length) for length in lengths]
+        tally.update(self.rewards.metrics)
         self.rewards.metrics = {}
         return tally
 
 
-def step_log(tallies: Sequence[dict[str, tuple[float, int]]]) -> dict[str, float]:
-    """Every rank's `drain_step_tally`, merged into the means GRPO logs (NaN for a reward no row scored validly)."""
-    totals: dict[str, tuple[float, int]] = {}
+LENGTHS = "completions/length"  # a tally's completion lengths in tokens (logged as their mean, min, max, clipped)
+
+
+def _std(values: Sequence[float]) -> float:
+    """TRL's nanstd (Bessel-corrected) of valid values; 0 for fewer than two."""
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1))
+
+
+def step_log(tallies: Sequence[dict[str, list[float]]], reward_names: Sequence[str],
+             max_completion_tokens: int) -> dict[str, float]:
+    """Every rank's `drain_step_tally`, merged into GRPO's keys: `rewards/<name>/mean` and `/std` (NaN for a
+    function no row scored validly), `completions/mean_length`, `min_length`, `max_length`, `clipped_ratio` (rows
+    whose last turn used all `max_completion_tokens`), the step's `num_tokens`, and each log_metric name's mean."""
+    merged: dict[str, list[float]] = {}
     for tally in tallies:
-        for key, (total, count) in tally.items():
-            before_total, before_count = totals.get(key, (0.0, 0))
-            totals[key] = (before_total + total, before_count + count)
-    return {key: total / count if count else math.nan for key, (total, count) in totals.items()}
+        for key, values in tally.items():
+            merged.setdefault(key, []).extend(values)
+    logged: dict[str, float] = {}
+    for name in reward_names:
+        if f"rewards/{name}" in merged:
+            scored = merged.pop(f"rewards/{name}")
+            logged[f"rewards/{name}/mean"] = sum(scored) / len(scored) if scored else math.nan
+            logged[f"rewards/{name}/std"] = _std(scored) if scored else math.nan
+    lengths = merged.pop(LENGTHS, [])
+    if lengths:
+        logged.update({"completions/mean_length": sum(lengths) / len(lengths),
+                       "completions/min_length": min(lengths), "completions/max_length": max(lengths),
+                       "completions/clipped_ratio": sum(n >= max_completion_tokens for n in lengths) / len(lengths)})
+    logged["num_tokens"] = sum(merged.pop("num_tokens", []))
+    logged.update({key: sum(values) / len(values) for key, values in merged.items() if values})
+    return logged

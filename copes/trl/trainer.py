@@ -76,22 +76,31 @@ def importable_label(value: Any) -> str | None:
         return None
 
 
+def is_rank_zero() -> bool:
+    """Whether this process speaks for the run: one process, or rank 0 of the workers."""
+    return not launched_distributed() or os.environ.get("RANK", "0") == "0"
+
+
 class _HookedTrainer(Trainer):
     """copes' Trainer with ESTrainer's callbacks at each journaled step, and the held-out scoring kept out of the
     training logs."""
 
     es: ESTrainer
     step_rewards: torch.Tensor | None = None  # [members, questions] of the step just done, as journaled
+    step_seconds = 0.0
 
     def population_step(self, step: int, examples: list[Any]) -> Any:
+        started = time.perf_counter()
         stats = super().population_step(step, examples)
+        self.step_seconds = time.perf_counter() - started  # TRL's step_time: the step's rollouts, scoring, update
         recorded = self.record.journal.recorded(step + 1)  # every rank's members, gathered
         self.step_rewards = torch.stack([recorded[member] for member in sorted(recorded)])
         return stats
 
     def after_step(self, step: int, metrics: dict[str, Any]) -> bool:
         tally = self.task.drain_step_tally()  # this rank's members; rank 0 logs over every rank's
-        logged = step_log(gather_values(tally, step) if self.dist else [tally])
+        logged = step_log(gather_values(tally, step) if self.dist else [tally], self.task.rewards.names,
+                          self.cfg.max_new_tokens)
         stop = self.es.step_done(step, metrics, logged) if self.is_main else False
         return bool(self.share(stop, step))  # rank 0's callbacks decide for every rank
 
@@ -130,8 +139,9 @@ class ESTrainer:
             raise ConfigError(f"args must be an ESConfig (from copes import ESConfig), got {type(self.args).__name__}")
         if isinstance(environment_factory, dict):
             raise ConfigError("environment_factory: ESTrainer takes one factory, not a dict of environments")
-        if train_dataset is None:
-            raise ConfigError("ESTrainer needs a train_dataset (TRL's prompt-only format: a 'prompt' column)")
+        if train_dataset is None and environment_factory is None:
+            raise ConfigError("ESTrainer needs a train_dataset (TRL's prompt-only format: a 'prompt' column), or an "
+                              "environment_factory whose reset() returns each prompt")
         for line in self.args.notices():
             print(f"notice: {line}", file=sys.stderr, flush=True)
 
@@ -152,17 +162,21 @@ class ESTrainer:
         self._explain_user_code()
 
         self.processing_class = processing_class
-        self.callbacks = list(callbacks or [])
+        self.callbacks = [*(callbacks or []), self._progress_callback()]
         self.datasets = (train_dataset, eval_dataset)
         self.model_spec = self._model_spec(model)
         self.rewards = TRLRewards(functions, [function_name(f) for f in functions], weights)
-        self.task = DatasetTask(dataset_rows(train_dataset, "train_dataset"), self._eval_rows(eval_dataset),
+        self.task = DatasetTask(self._train_rows(train_dataset, environments), self._eval_rows(eval_dataset),
                                 self.rewards, processing_class, environments)
-        self.trl_tools = [FunctionTool(tool) for tool in tools or []] + (environments.tools() if environments else [])
+        timeout = self.args.tool_timeout_s
+        self.trl_tools = ([FunctionTool(tool, timeout_s=timeout) for tool in tools or []]
+                          + (environments.tools(timeout) if environments else []))
         if self.trl_tools and not self.task.chat:
             raise ConfigError("tools and environments need conversational prompts (a list of messages in 'prompt'), "
                               "as in TRL")
-        self.cfg = self.args.train_config(**self._trainer_set())
+        self.cfg = self.args.train_config(len(self.task.rows["train"]), **self._trainer_set())
+        if is_rank_zero():
+            print(f"notice: {self._step_shape()}", file=sys.stderr, flush=True)
         self.state, self.control = self._fresh_state()
         self.trainer: _HookedTrainer | None = None
         if self.cfg.workers == 1 or launched_distributed():  # workers > 1: train() starts the ranks, then builds
@@ -184,17 +198,51 @@ class ESTrainer:
               "so the journal cannot hash its code and a resume cannot check it is unchanged; move it into a module",
               file=sys.stderr, flush=True)
 
+    def _progress_callback(self) -> Any:
+        """transformers.Trainer's own: a step bar that writes each log line (disable_tqdm: the log lines only)."""
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        return PrinterCallback() if self.args.disable_tqdm else ProgressCallback()
+
+    def _step_shape(self) -> str:
+        """One line: what a step rolls out and how many run (TRL's batch and epoch fields, read as TRL reads them),
+        and the ES meaning of learning_rate."""
+        cfg, args = self.cfg, self.args
+        source = ("generation_batch_size // num_generations" if args.trl_prompts_per_step() is not None
+                  else "prompt_batch_size")
+        steps = f"{cfg.steps} step{'s' * (cfg.steps != 1)}"
+        if args.max_steps == -1:
+            epochs = args.num_train_epochs
+            steps += f" ({epochs:g} epoch{'s' * (epochs != 1)} of {len(self.task.rows['train'])} rows)"
+        return (f"each step rolls out {cfg.prompt_batch} prompts ({source}) x {cfg.population} members "
+                f"(population_size) = {cfg.prompt_batch * cfg.population} rollouts; {steps}; learning_rate "
+                f"{cfg.lr:g} is ES's step size alpha (the paper's 5e-4), not a gradient optimizer's")
+
     def _model_spec(self, model: Any) -> str:
-        """The model as a path or hub id; a model object is saved once under output_dir/base_model."""
+        """The model as a hub id or an absolute path (the journal's, so copes-replay finds it from any folder); a
+        model object is saved once under output_dir/base_model."""
         if isinstance(model, (str, Path)):
-            return str(model)
+            return str(Path(model).resolve()) if Path(model).exists() else str(model)
         if not hasattr(model, "save_pretrained"):
             raise ConfigError(f"model must be a hub id, a local path or a PreTrainedModel, got {type(model).__name__}")
-        folder = Path(self.args.output_dir) / "base_model"
+        folder = (Path(self.args.output_dir) / "base_model").resolve()
         model.save_pretrained(folder)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(folder)
+        if self.processing_class is None:  # TRL's default: the tokenizer the model was loaded with
+            from transformers import AutoTokenizer
+
+            self.processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        self.processing_class.save_pretrained(folder)
         return str(folder)
+
+    def _train_rows(self, train_dataset: Any, environments: Environments | None) -> list[dict[str, Any]]:
+        """The dataset's rows; without one, the environment owns the data: max_steps steps of fresh rows, each
+        prompt what reset() returns (TRL's train_dataset=None)."""
+        if train_dataset is not None:
+            return dataset_rows(train_dataset, "train_dataset")
+        if self.args.max_steps < 0:
+            raise ConfigError("with no train_dataset the environment deals the prompts and nothing counts epochs: "
+                              "set max_steps")
+        return environments.owned_rows(self.args.max_steps * self.args.prompts_per_step())
 
     def _eval_rows(self, eval_dataset: Any) -> list[dict[str, Any]]:
         if eval_dataset is None:
@@ -219,6 +267,10 @@ class ESTrainer:
             trainer.tokenizer.padding_side = "left"
             if trainer.tokenizer.pad_token is None:
                 trainer.tokenizer.pad_token = trainer.tokenizer.eos_token
+        if self.task.chat and getattr(trainer.tokenizer, "chat_template", None) is None:  # TRL raises here too
+            raise ConfigError("Cannot use chat template functions because tokenizer.chat_template is not set: "
+                              "conversational prompts need one (give processing_class a tokenizer with a "
+                              "chat_template, or plain-text prompts)")
         trainer.tools = [*trainer.tools, *self.trl_tools]
         self.task.tokenizer = trainer.tokenizer
         return trainer
@@ -226,9 +278,12 @@ class ESTrainer:
     def _fresh_state(self) -> tuple[Any, Any]:
         from transformers import TrainerControl, TrainerState
 
-        state = TrainerState(max_steps=self.cfg.steps, logging_steps=self.args.logging_steps,
+        state = TrainerState(max_steps=self.cfg.steps, num_train_epochs=math.ceil(self.cfg.steps * self.cfg.prompt_batch
+                                                                                  / len(self.task.rows["train"])),
+                             logging_steps=self.args.logging_steps,
                              eval_steps=self.cfg.eval_every or self.args.logging_steps,
                              save_steps=self.cfg.checkpoint_every, train_batch_size=self.cfg.prompt_batch)
+        state.is_world_process_zero = state.is_local_process_zero = is_rank_zero()  # one bar, one log per run
         self.task.trainer_state = state
         return state, TrainerControl()
 
@@ -263,12 +318,14 @@ class ESTrainer:
         state, cfg = self.state, self.cfg
         state.global_step = step
         state.epoch = step * cfg.prompt_batch / len(self.task.rows["train"])
+        state.num_input_tokens_seen += int(logged.pop("num_tokens"))
         self.control = self._event("on_step_end")
         if step % self.args.logging_steps == 0 or step == cfg.steps:
             self.log({**self.reward_stats(), **logged,
                       **{k: v for k, v in metrics.items() if k.startswith("rewards/")},  # the Trainer's own, if any
-                      "update_norm": metrics["update_norm"], "num_invalid_rewards": metrics["num_invalid_rewards"],
-                      "epoch": state.epoch})
+                      "num_tokens": state.num_input_tokens_seen, "learning_rate": cfg.lr,
+                      "step_time": self.trainer.step_seconds, "update_norm": metrics["update_norm"],
+                      "num_invalid_rewards": metrics["num_invalid_rewards"], "epoch": state.epoch})
         if metrics.get("eval"):
             self._evaluated(metrics["eval"])
         if self.trainer.record.saved_step == step:
@@ -320,6 +377,8 @@ class ESTrainer:
             trainer.resume(self.cfg.output_dir if resume is True else str(resume))
             self.state.global_step = trainer.start_step
             self.state.log_history = self._earlier_logs(trainer.start_step)
+            self.state.num_input_tokens_seen = max((entry.get("num_tokens", 0) for entry in self.state.log_history),
+                                                   default=0)
         started = time.perf_counter()
         self.control = self._event("on_train_begin")
         self.control = self._event("on_step_begin")
@@ -347,7 +406,8 @@ class ESTrainer:
             given = {option.name: getattr(self.args, option.name) for option in fields(self.args)}
             spec.write_bytes(pickle.dumps({
                 "model": self.model_spec, "args": {name: given[name] for name in self.args.set_fields},
-                "train_dataset": self.task.rows["train"], "eval_dataset": self.task.rows["validation"] or None,
+                "train_dataset": None if self.task.owns_data else self.task.rows["train"],
+                "eval_dataset": self.task.rows["validation"] or None,
                 "reward_funcs": self.user_code["reward"], "tools": self.user_code["tool"],
                 "environment_factory": (self.user_code["environment_factory"] or [None])[0],
                 "processing_class": processing_class, "resume": resume}))

@@ -15,7 +15,15 @@ from copes.modeling import resolve_model_path
 TINY = resolve_model_path("tiny")  # the embedded 66.6K-parameter arithmetic model (characters 0-9 + - * = and \n)
 # The embedded tokenizer has no chat template; this one renders a conversation as its contents, which it can spell.
 CONTENTS_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-SHARED_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length")
+SHARED_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
+               "completions/max_length", "completions/clipped_ratio", "num_tokens", "learning_rate", "step_time")
+
+
+def contents_tokenizer() -> Any:
+    """The embedded tokenizer with CONTENTS_TEMPLATE, for conversational rows."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    tokenizer.chat_template = CONTENTS_TEMPLATE
+    return tokenizer
 
 
 def arithmetic_rows(conversational: bool, count: int = 12) -> Dataset:
@@ -75,9 +83,7 @@ def train_twin(trainer_class: type, config_class: type, *, conversational: bool,
     reading a column; `own_fields` are the config fields only this trainer has."""
     from trl.rewards import accuracy_reward
 
-    tokenizer = AutoTokenizer.from_pretrained(TINY)
-    if conversational:
-        tokenizer.chat_template = CONTENTS_TEMPLATE
+    tokenizer = contents_tokenizer() if conversational else AutoTokenizer.from_pretrained(TINY)
     recorder = KeyRecorder()
     args = config_class(output_dir=output_dir, max_steps=2, logging_steps=1, learning_rate=0.0025, seed=0,
                         max_completion_length=4, report_to="none", **own_fields)

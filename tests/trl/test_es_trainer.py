@@ -18,7 +18,15 @@ from copes.trl.trainer import REFUSED
 from copes.user_code import sha256_of
 
 from helpers.tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer
-from helpers.trl_twin import SHARED_KEYS, TINY, StopAfter, answer_column_reward, arithmetic_rows, train_twin
+from helpers.trl_twin import (
+    SHARED_KEYS,
+    TINY,
+    StopAfter,
+    answer_column_reward,
+    arithmetic_rows,
+    contents_tokenizer,
+    train_twin,
+)
 
 # The ES side of the twin script: a population of 2 on 4 questions, so 2 steps take seconds.
 ES_FIELDS = dict(population_size=2, num_subspaces=1, prompt_batch_size=4, sigma=0.01, chunk_size=4096, eval_size=0)
@@ -46,7 +54,7 @@ def assert_bitwise_equal(first, second):
 def test_one_script_trains_with_grpo_and_with_es(tmp_path, conversational):
     """Only the import line and each config's own fields differ: both train 2 steps on the embedded model with the
     same data (extra columns), rewards (TRL's accuracy_reward, a user function reading a column) and callback, and
-    both log GRPO's shared keys, `rewards/<name>/mean` for every reward function included."""
+    both log GRPO's shared keys, `rewards/<name>/mean` and `/std` for every reward function included."""
     from trl import GRPOConfig, GRPOTrainer
 
     grpo, grpo_recorder = train_twin(GRPOTrainer, GRPOConfig, conversational=conversational,
@@ -55,7 +63,7 @@ def test_one_script_trains_with_grpo_and_with_es(tmp_path, conversational):
     es, es_recorder = train_twin(ESTrainer, ESConfig, conversational=conversational, output_dir=str(tmp_path / "es"),
                                  **ES_FIELDS)
     names = ["accuracy_reward", "answer_column_reward"] if conversational else ["answer_column_reward"]
-    keys = [*SHARED_KEYS, *(f"rewards/{name}/mean" for name in names)]
+    keys = [*SHARED_KEYS, *(f"rewards/{name}/{statistic}" for name in names for statistic in ("mean", "std"))]
     for recorder in (grpo_recorder, es_recorder):
         assert recorder.events == ["train_begin", "step_end 1", "step_end 2", "train_end"]
         step_logs = [logs for logs in recorder.logs if "reward" in logs]
@@ -104,10 +112,10 @@ def test_config_fields_errors_and_notices(capsys):
         ESConfig(gradient_steps_typo=3)
     with pytest.raises(ConfigError, match="scale_rewards 'none' has no ES meaning"):
         ESConfig(scale_rewards="none")
-    config = ESConfig(beta=0.04, num_generations=8, max_steps=3, learning_rate=1e-3, population_size=8,
+    config = ESConfig(beta=0.04, loss_type="grpo", max_steps=3, learning_rate=1e-3, population_size=8,
                       num_subspaces=2, scale_rewards="group", max_tool_calling_iterations=2, bf16=True)
     notice = capsys.readouterr().err.strip().splitlines()
-    assert len(notice) == 1 and "beta, num_generations" in notice[0]
+    assert len(notice) == 1 and "beta, loss_type" in notice[0]
     train = config.train_config()
     assert (train.steps, train.lr, train.population, train.subspaces) == (3, 1e-3, 8, 2)
     assert (train.fitness, train.max_turns, train.dtype) == ("per_question", 3, "bfloat16")
@@ -301,7 +309,7 @@ def test_tool_and_environment_modules_are_hashed_and_an_edit_refuses_the_resume(
     def run(steps: int) -> dict:
         fields = small_run(tmp_path / "run", max_steps=steps, max_completion_length=2)
         return {**fields, "train_dataset": arithmetic_rows(True), "tools": [house_tools.shout],
-                "environment_factory": house_tools.Echo}
+                "environment_factory": house_tools.Echo, "processing_class": contents_tokenizer()}
 
     ESTrainer(**run(1)).train()
     sources = read_journal(tmp_path / "run").header["user_sources"]
