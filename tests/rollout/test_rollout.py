@@ -601,10 +601,10 @@ def test_the_hf_engine_on_cuda_asks_the_allocator_for_expandable_segments(monkey
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", asked.append)
     monkeypatch.setattr(engine_module, "load_model", lambda *args, **kwargs: (None, None, torch.device("cpu")))
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    engine_module.load_rollout_model("tiny", device="cpu")
+    engine_module.load_rollout_model("tiny", engine="hf", device="cpu")
     assert asked == []
-    engine_module.load_rollout_model("tiny", device="cuda:1")
+    engine_module.load_rollout_model("tiny", engine="hf", device="cuda:1")
     assert asked == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    engine_module.load_rollout_model("tiny", device="cuda")
+    engine_module.load_rollout_model("tiny", engine="hf", device="cuda")
     assert asked == ["expandable_segments:True"]
