@@ -32,8 +32,8 @@ from copes.config.components import (
 )
 from copes.config.options import TrainConfig, build_config, config_with_preset
 from copes.errors import ConfigError, UserError
-from copes.extras import engine_fallback_hint
 from copes.es.strategies.base import WHOLE_POPULATION, StepStats
+from copes.extras import engine_fallback_hint
 from copes.failpoints import failpoint
 from copes.modeling import release_free_heap, resolve_model_path
 from copes.plan.memory import check_plan

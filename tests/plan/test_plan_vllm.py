@@ -9,6 +9,7 @@ from copes.config.options import build_config
 from copes.plan.memory import GIB, layer_activation_bytes_per_token, plan_for
 from copes.rollout.vllm import STEP_TOKENS
 
+from helpers.installed import pretend_installed
 from helpers.paths import FIXTURES
 
 QWEN35 = FIXTURES / "qwen3.5-4b"
@@ -84,20 +85,14 @@ def test_vllm_on_cuda_plans_its_cuda_graphs() -> None:
 def test_auto_engine_plans_vllm_on_cuda_where_importable_and_names_it(monkeypatch) -> None:
     """Guards #53 (`--rollout-engine auto`, the new default): on CUDA with vLLM importable the plan is vLLM's, without
     it HF's (rows per generate call capped), on CPU always HF's; the table's first line names the engine."""
-    import importlib.util
-
-    real = importlib.util.find_spec
-    installed = {"vllm": True}
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: (object() if installed["vllm"] else None) if name == "vllm"
-                        else real(name, *args))
+    pretend_installed(monkeypatch, {"vllm": True})
     auto = {**HEADLINE, "rollout_engine": "auto"}
     assert build_config({k: v for k, v in auto.items() if k != "rollout_engine"}).rollout_engine == "auto"
     plan = plan_for(build_config(auto))
     assert plan.engine == "vllm" and plan.per_row == [] and "engine vllm" in plan.table().splitlines()[0]
-    installed["vllm"] = False
+    pretend_installed(monkeypatch, {"vllm": False})
     plan = plan_for(build_config(auto))
     assert plan.engine == "hf" and plan.rows < 64 and "engine hf" in plan.table().splitlines()[0]
     assert "engine hf" in plan.summary()
-    installed["vllm"] = True
+    pretend_installed(monkeypatch, {"vllm": True})
     assert plan_for(build_config({**auto, "device": "cpu", "prompt_batch": 1})).engine == "hf"

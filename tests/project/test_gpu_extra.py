@@ -3,12 +3,13 @@ run its gated delta-net layers through the slow torch fallback). Decided from th
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 import pytest
 
 from copes import extras
+
+from helpers.installed import pretend_installed
 
 
 @pytest.fixture(autouse=True)
@@ -18,14 +19,7 @@ def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def installed(monkeypatch: pytest.MonkeyPatch, modules: set[str]) -> None:
     """Pretend exactly `modules` of the [gpu] extra are installed."""
-    real = importlib.util.find_spec
-
-    def find_spec(name: str, *args):
-        if name in extras.GPU_KERNELS:
-            return object() if name in modules else None
-        return real(name, *args)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    pretend_installed(monkeypatch, {name: name in modules for name in extras.GPU_KERNELS})
 
 
 def test_only_linear_attention_models_on_cuda_need_the_gpu_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,15 +48,12 @@ def test_the_warning_names_the_extra_once(monkeypatch: pytest.MonkeyPatch) -> No
 def test_auto_engine_is_vllm_on_cuda_where_importable_with_a_hint_when_not(monkeypatch: pytest.MonkeyPatch) -> None:
     """Guards #53: `--rollout-engine auto` (the default) rolls out on vLLM on CUDA where vLLM is importable, HF
     elsewhere, and a CUDA run that falls back to HF says so in one line; a named engine is kept as given."""
-    real = importlib.util.find_spec
-    have = {"vllm": False}
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: (object() if have["vllm"] else None) if name == "vllm" else real(name, *args))
+    pretend_installed(monkeypatch, {"vllm": False})
     assert extras.rollout_engine_for("auto", "cuda:1") == "hf"
     hint = extras.engine_fallback_hint("auto", "cuda")
     assert hint is not None and "\n" not in hint and "pip install vllm" in hint
     assert extras.engine_fallback_hint("hf", "cuda") is None and extras.engine_fallback_hint("auto", "cpu") is None
-    have["vllm"] = True
+    pretend_installed(monkeypatch, {"vllm": True})
     assert extras.rollout_engine_for("auto", "cuda") == "vllm" and extras.engine_fallback_hint("auto", "cuda") is None
     assert extras.rollout_engine_for("auto", "cpu") == "hf"
     assert extras.rollout_engine_for("hf", "cuda") == "hf" and extras.rollout_engine_for("vllm", "cpu") == "vllm"
