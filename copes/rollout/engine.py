@@ -30,11 +30,12 @@ class RolloutEngine(Protocol):
     def start_rollout(self) -> None:
         """A new rollout begins: the weights may differ from the previous rollout's."""
 
-    def generate(self, tokenizer: Any, prompts: list[str], *, rows: list[int] | None = None,
+    def generate(self, tokenizer: Any, prompts: list[str], *, rows: list[int] | None = None, keep: bool = True,
                  row_context: RowContext | None = None, **options: Any) -> list[Generation]:
         """Continue every prompt, results in prompt order: the contract and keyword options of `generate_batch`
         (max_new_tokens, one or per row; greedy, temperature, top_p; stop_strings; seed). `rows` names each
-        prompt's row of the rollout (an engine may keep a row's state for its next turn); `row_context(rows)`
+        prompt's row of the rollout (an engine may keep a row's state for its next turn; `keep=False`: the rows have
+        no next turn, so nothing is kept); `row_context(rows)`
         wraps the forwards that compute those rows (an engine that batches differently calls it per forward)."""
 
 

@@ -337,11 +337,12 @@ class VLLMEngine:
 
     def generate(self, tokenizer: Any, prompts: list[str], *, max_new_tokens: int | Sequence[int], greedy: bool = True,
                  temperature: float = 1.0, top_p: float = 1.0, stop_strings: Sequence[str] = (),
-                 seed: int | None = None, rows: Sequence[int] | None = None,
+                 seed: int | None = None, rows: Sequence[int] | None = None, keep: bool = True,
                  row_context: Any = None) -> list[Generation]:
         """`generate_batch`'s contract on vLLM: the same prompt tokens, the same stop and EOS rules (each row is
         finished by `finish_row` from its token ids), per-row limits. Sampling draws vLLM's own random numbers.
-        `rows` is not needed (the prefix cache finds a row's earlier turns by content); `row_context` wraps the call,
+        `rows` and `keep` are not needed (the prefix cache finds a row's earlier turns by content); `row_context` wraps
+        the call,
         and when it yields a routing (a batched low-rank population) each request gets its member's adapter."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
