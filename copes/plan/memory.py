@@ -46,6 +46,7 @@ PROMPT_TOKENS = 512  # a chat prompt with the tool schema and a question (GSM8K/
 TOOL_WRAPPER_TOKENS = 32  # the tool-response markup around each observation
 RESERVE_BYTES = int(1.0 * GIB)  # CUDA context, cuBLAS and Triton workspaces
 RESERVE_FRACTION = 0.05  # allocator fragmentation
+ALLOCATOR_BLOCK_BYTES = 2 << 20  # PyTorch's CUDA caching allocator rounds a large allocation up to 2 MiB
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # --device cpu plans RAM, where the process itself counts: the interpreter, torch, transformers, copes' numba
 # kernels and the task's data. Measured: 0.45 GiB after the imports, 0.74 GiB peak RSS of a whole reduced-width
@@ -434,8 +435,10 @@ def decode_packs_gqa() -> bool:
     return hasattr(sdpa_attention, "pack_gqa")
 
 
-def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[list[PlanLine], list[PlanLine], str]:
-    """Per row and once per call lines of a generate call, and the layer kind of the activation peak."""
+def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int,
+                   on_cuda: bool = False) -> tuple[list[PlanLine], list[PlanLine], str]:
+    """Per row and once per call lines of a generate call, and the layer kind of the activation peak (`on_cuda`:
+    through PyTorch's CUDA caching allocator)."""
     kinds = layer_activation_bytes_per_token(shape, s)
     per_token = max(kinds.values())
     context, prefill = rollout.context_tokens, rollout.prefill_tokens
@@ -449,6 +452,14 @@ def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[li
                                 f"the previous turn's {previous} tokens, kept for this turn"))
     per_row.append(PlanLine("delta-net state", state,
                             f"{shape.linear_layers} layers, fp32 recurrent" if shape.linear_layers else "none"))
+    # A row that leaves the decode batch on a tool call clones its recurrent state beside the batch's (only sliced,
+    # a view) until the call ends; that call's store is a turn shorter than the whole context the KV line counts,
+    # and on the last turn (keep=False) nothing is cloned, so no line of its own.
+    if rollout.chunked and on_cuda:
+        # Each kept K or V tensor is its own allocation, rounded up to the caching allocator's block.
+        kept_tensors = 2 * shape.full_attention_layers
+        per_row.append(PlanLine("allocator rounding", kept_tensors * ALLOCATOR_BLOCK_BYTES,
+                                f"{kept_tensors} kept K/V tensors x up to {ALLOCATOR_BLOCK_BYTES >> 20} MiB"))
     # A masked SDPA call with several query positions gets K and V repeated to the query heads (transformers'
     # repeat_kv), one layer at a time; a decode step packs the query heads instead (pack_gqa). With one KV head the
     # repeat is a stride-0 view (measured: no bytes), so only several KV heads copy.
@@ -492,7 +503,7 @@ def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None,
         uses_tools = _task_uses_tools(cfg)
     chunked = uses_tools and cfg.rollout_engine == "hf"  # a tool-less run is one batched generate call
     rollout = rollout_shape(cfg, uses_tools, prefill_chunk_tokens if chunked else None)
-    per_row, per_call, kind = _rollout_lines(shape, rollout, s)
+    per_row, per_call, kind = _rollout_lines(shape, rollout, s, device.startswith("cuda"))
     fixed = _fixed_lines(cfg, shape, s)
     if device == "cpu" and cfg.rollout_engine == "vllm":
         fixed.append(PlanLine("host process", VLLM_HOST_PROCESS_BYTES, "interpreter, torch, vLLM, kernels (RAM)"))
