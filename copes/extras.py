@@ -68,9 +68,10 @@ def check_installed(module: str) -> None:
 
 
 # Model families with gated delta-net (linear-attention) layers: on CUDA, transformers runs them through
-# flash-linear-attention and causal-conv1d when installed, else through a slow pure-torch fallback.
+# flash-linear-attention when installed, else through a slow pure-torch fallback. causal-conv1d (optional, built
+# from source with nvcc) fuses their short convolution; without it torch's conv1d runs it, a few more launches.
 LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-GPU_KERNELS = {"fla": "fla-core", "causal_conv1d": "causal-conv1d"}  # module -> pip package, the [gpu] extra
+GPU_KERNELS = {"fla": "fla-core"}  # module -> pip package, the [gpu] extra
 
 
 def missing_gpu_kernels(model_type: str, device_type: str) -> list[str]:
