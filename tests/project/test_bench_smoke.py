@@ -187,7 +187,7 @@ def test_sandbox_throughput_times_a_git_revision_against_this_checkout() -> None
     assert rows[0]["ratio"] == 1 and all(row["runs_per_s"] > 0 for row in rows)
 
 
-GPU_CHECK_PHASES = ("kernels", "rollout", "shapes", "generation", "trainer", "vllm")
+GPU_CHECK_PHASES = ("kernels", "rollout", "speed", "shapes", "generation", "trainer", "vllm")
 
 
 @pytest.mark.integration
@@ -214,4 +214,9 @@ def test_gpu_check_dry_run_returns_one_tarball_with_a_summary_per_phase(tmp_path
     # The rollout phase's peak beside the plan's for the same run (on a GPU: capped at 24 GiB, the 24 GB claim).
     assert rollout["error"] is None and rollout["plan"]["peak_bytes"] > 0 and rollout["measured_over_planned"] > 0
     assert rollout["delta_rule_path"] and rollout["conv1d_path"]
+    # #53: the rollout runs the plan's rows on contexts long enough for its kept-copy and last-turn peaks; the speed
+    # phase puts ms per decode step beside the memory-bandwidth floor and estimates one headline step.
+    assert rollout["rows"] == rollout["plan"]["rows"] and rollout["context_tokens"] > 500
+    speed = next(line for line in summaries if line.startswith("== speed"))
+    assert "floor" in speed and "headline step" in speed, speed
     assert not list(tmp_path.glob("gpu-check.*")), "the work folder outlived the script"
