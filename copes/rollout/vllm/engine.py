@@ -240,9 +240,9 @@ class VLLMEngine:
         torch_dtype = resolve_dtype(dtype, self.device)
         config = AutoConfig.from_pretrained(path)
         text_config = config.get_text_config()
-        if self.device.type == "cpu":
+        if self.device.type == "cpu":  # on CUDA vLLM keeps plain weight tensors and never calls the CPU dispatch
             _check_cpu_attention(text_config, torch_dtype)
-        keep_plain_linear_weights()
+            keep_plain_linear_weights()
         _shield_llvmlite_from_kernel_scan()
         real_set_num_threads = torch.set_num_threads
         if self.device.type == "cpu" and cpu_threads:
