@@ -17,7 +17,8 @@ makes the exit status 1 (measurements are printed, never asserted). Phases:
               a last turn that keeps nothing), the card capped at 24 GiB less the CUDA context: allocated,
               reserved and mem_get_info peaks beside the plan (no checkpoint, no sandbox: no model code runs)
   speed       bf16 at the 4B shape: ms per decode step and tokens/s at 1 row and at the planned rows for each
-              engine here (HF eager; vLLM when carried), each beside the memory-bandwidth floor (weight bytes /
+              engine here (copes' HF engine, eager; transformers' static-cache generate, compiled into CUDA graphs
+              on a GPU; vLLM when carried), each beside the memory-bandwidth floor (weight bytes /
               peak bandwidth), and the wall time of one headline step (40 x 64 x 600 tokens) they imply
   trainer     copes.train on the device: 2 steps twice (same weights?) and 1 step + resume to 2 (bitwise?)
 `--cpu-dry-run` runs the same code on the CPU at small shapes (tiny configs, short L), so CI keeps it working.
@@ -560,6 +561,30 @@ def hf_decode(model: torch.nn.Module, sizes: Sizes, rows: int) -> dict[str, Any]
     return {"ms_per_step": round(ms, 2), "tokens_per_s": round(rows * 1000 / ms, 1)}
 
 
+def static_cache_generate(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy tokens of transformers' `generate` on a static cache (same-length prompts, so no padding): on CUDA
+    transformers compiles its decode step (torch.compile, CUDA graphs), the launch-free decode the HF engine lacks."""
+    ids = torch.tensor(prompts, device=model.device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                         min_new_tokens=steps, do_sample=False, pad_token_id=0, cache_implementation="static")
+    return out[:, ids.shape[1]:].tolist()
+
+
+def static_decode(model: torch.nn.Module, sizes: Sizes, rows: int) -> dict[str, Any]:
+    """`hf_decode`'s measure on `static_cache_generate`."""
+    generator = torch.Generator().manual_seed(rows)
+    prompts = torch.randint(1, int(sizes.model["vocab_size"]), (rows, sizes.decode_context),
+                            generator=generator).tolist()
+
+    def generate(steps: int) -> float:
+        return seconds(sizes.device, lambda: static_cache_generate(model, prompts, steps))
+
+    generate(2 + sizes.decode_steps)  # warm-up: the compiles, at the longest cache
+    short, long = generate(2), generate(2 + sizes.decode_steps)
+    ms = 1000 * (long - short) / sizes.decode_steps
+    return {"ms_per_step": round(ms, 2), "tokens_per_s": round(rows * 1000 / ms, 1)}
+
+
 def vllm_decode(sizes: Sizes, folder: Path, row_counts: list[int]) -> dict[str, Any]:
     """The same measure on vLLM (CUDA graphs) with dummy weights of the model's shape: no checkpoint is written."""
     import vllm
@@ -600,9 +625,11 @@ def speed(sizes: Sizes) -> dict[str, Any]:
         bandwidth, source = peak_bandwidth_gbs(sizes.device)
         weights_bytes = weight_bytes(model)
         floor_ms = weights_bytes / (bandwidth * 1e9) * 1000
-        engines: dict[str, Any] = {"hf eager": {f"{rows} rows": hf_decode(model, sizes, rows) for rows in row_counts},
-                                   "hf graphs": "not built: the HF engine decodes eagerly (its static-cache, "
-                                                "CUDA-graph path is still to come)"}
+        engines: dict[str, Any] = {"hf eager": {f"{rows} rows": hf_decode(model, sizes, rows) for rows in row_counts}}
+        try:  # transformers' own static-cache decode (the copes HF engine has no such path yet)
+            engines["hf static"] = {f"{rows} rows": static_decode(model, sizes, rows) for rows in row_counts}
+        except Exception as failure:  # an older transformers or a compile failure: reported, not fatal
+            engines["hf static"] = f"failed: {type(failure).__name__}: {str(failure).splitlines()[0][:200]}"
         if sizes.device == "cuda" and importlib.util.find_spec("vllm") is not None:
             del model
             torch.cuda.empty_cache()
