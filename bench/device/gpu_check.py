@@ -591,19 +591,29 @@ def vllm_decode(sizes: Sizes, folder: Path, row_counts: list[int]) -> dict[str, 
 
     llm = vllm.LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                    max_model_len=sizes.decode_context + sizes.decode_steps + 8, gpu_memory_utilization=0.85, seed=0)
-    found = {}
-    for rows in row_counts:
+
+    def decode(rows: int) -> dict[str, Any]:
         prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(range(1 + row, 1 + row + sizes.decode_context)))
                    for row in range(rows)]
 
-        def generate(steps: int, prompts=prompts) -> float:
+        def generate(steps: int) -> float:
             params = vllm.SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
             return seconds(sizes.device, lambda: llm.generate(prompts, params, use_tqdm=False))
 
         generate(2)
         short, long = generate(2), generate(2 + sizes.decode_steps)
         ms = 1000 * (long - short) / sizes.decode_steps
-        found[f"{rows} rows"] = {"ms_per_step": round(ms, 2), "tokens_per_s": round(rows * 1000 / ms, 1)}
+        return {"ms_per_step": round(ms, 2), "tokens_per_s": round(rows * 1000 / ms, 1)}
+
+    return timed_rows("vllm", row_counts, decode)
+
+
+def timed_rows(engine: str, row_counts: list[int], decode: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    """`decode(rows)` per row count, each printed as it is measured (a timeout still leaves the figures so far)."""
+    found = {}
+    for rows in row_counts:
+        found[f"{rows} rows"] = decode(rows)
+        print(f"{engine}, {rows} rows: {found[f'{rows} rows']}", flush=True)
     return found
 
 
@@ -625,9 +635,13 @@ def speed(sizes: Sizes) -> dict[str, Any]:
         bandwidth, source = peak_bandwidth_gbs(sizes.device)
         weights_bytes = weight_bytes(model)
         floor_ms = weights_bytes / (bandwidth * 1e9) * 1000
-        engines: dict[str, Any] = {"hf eager": {f"{rows} rows": hf_decode(model, sizes, rows) for rows in row_counts}}
-        try:  # transformers' own static-cache decode (the copes HF engine has no such path yet)
-            engines["hf static"] = {f"{rows} rows": static_decode(model, sizes, rows) for rows in row_counts}
+        print(f"floor {floor_ms:.3f} ms per decode step ({weights_bytes / GiB:.2f} GiB / {bandwidth} GB/s, {source})",
+              flush=True)
+        engines: dict[str, Any] = {"hf eager": timed_rows("hf eager", row_counts,
+                                                          lambda rows: hf_decode(model, sizes, rows))}
+        try:  # transformers' own static-cache decode (the copes HF engine has no such path yet); its compiles may
+            # be slow, so it runs after the eager figures are in the log
+            engines["hf static"] = timed_rows("hf static", row_counts, lambda rows: static_decode(model, sizes, rows))
         except Exception as failure:  # an older transformers or a compile failure: reported, not fatal
             engines["hf static"] = f"failed: {type(failure).__name__}: {str(failure).splitlines()[0][:200]}"
         if sizes.device == "cuda" and importlib.util.find_spec("vllm") is not None:
