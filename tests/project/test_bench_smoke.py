@@ -237,3 +237,16 @@ def test_the_speed_phases_static_cache_decode_gives_the_hf_engines_tokens() -> N
     prompts = torch.randint(1, 512, (3, 24), generator=torch.Generator().manual_seed(1)).tolist()
     engine = HFEngine(model)
     assert gpu_check.static_cache_generate(model, prompts, 10) == engine.generate_ids(prompts, [10] * 3, eos=set())
+
+
+def test_the_gpu_checks_generation_phase_fails_on_an_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """#53: the generation phase reported an out-of-memory as a pass. A CPU cannot run out of device memory, so the
+    turn's OOM record is what `generate_turn` returns when `generate` raises torch.OutOfMemoryError."""
+    sys.path.insert(0, str(BENCH_DIR / "device"))
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check, "qwen35_model", lambda sizes: None)
+    out_of_memory = {"oom": "CUDA out of memory", "peak_gib_above_weights": 1.0}
+    monkeypatch.setattr(gpu_check, "generate_turn", lambda *args: out_of_memory)
+    found = gpu_check.generation(gpu_check.CPU_DRY_RUN)
+    assert not found["ok"] and "OOM" in found["summary"]
