@@ -246,14 +246,14 @@ def test_kept_row_caches_are_bounded_by_one_generate_calls_rows(tokenizer, tools
 def test_the_last_turn_asks_the_engine_to_keep_no_caches(tokenizer, tools):
     """Guards #53: on a rollout's last turn no row has a next turn, so the agent passes `keep=False` and the engine
     clones no cache (the HF engine's clones of the whole final context were live beside the call's store)."""
-    keys = [f"[r{i}]" for i in range(4)]
-    policy = scripted(tokenizer, {key: [call("python", code="print(1)")] * 3 for key in keys})
+    keys = ["[r0]", "[r1]"]
+    policy = scripted(tokenizer, {key: [call("python", code="print(1)")] * 2 for key in keys})
     engine = CacheKeepingEngine(policy)
     attach_engine(policy, engine)
     trajectories = run_agent(policy, tokenizer, keys, tools=tools,
-                             config=AgentConfig(batch_size=2, max_new_tokens=64, max_turns=3))
-    assert engine.keeps == [True, True, False] * 2
-    assert all(t.finished_by == "max_turns" and t.num_turns == 3 for t in trajectories)
+                             config=AgentConfig(batch_size=1, max_new_tokens=64, max_turns=2))
+    assert engine.keeps == [True, False] * 2
+    assert all(t.finished_by == "max_turns" and t.num_turns == 2 for t in trajectories)
 
 
 def test_tag_format_appends_results_in_the_same_turn(tmp_path, tools):
