@@ -53,7 +53,7 @@ def plan_terms(name: str, context: int, kind: str) -> list[tuple[str, int]]:
     # One turn: no kept copy.
     rollout = RolloutShape(1, context - COMPLETION, COMPLETION, 0, context, min(512, context - COMPLETION), True)
     per_row, per_call, _ = _rollout_lines(shape, rollout, 2)
-    return [(line.what, line.bytes) for line in per_row + per_call if line.what != "kept KV copy"]
+    return [(line.what, line.bytes) for line in per_row + per_call if not line.what.startswith("kept")]
 
 
 def planned_mib(name: str, context: int, kind: str) -> float:

@@ -32,5 +32,5 @@ UPDATE_PRECISIONS = ("auto", "native", "stochastic", "master_device", "master_ho
 FITNESS_MODES = ("joint", "per_subspace", "centered_rank", "per_question")
 OPTIMIZERS = ("sgd", "adam")
 TOOL_FORMATS = ("auto", "qwen", "tags")
-ROLLOUT_ENGINES = ("hf", "vllm")
+ROLLOUT_ENGINES = ("auto", "hf", "vllm")
 VLLM_CPU_WEIGHTS = ("plain", "packed")

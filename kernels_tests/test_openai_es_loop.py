@@ -1,9 +1,11 @@
 """An es-at-scale-style OpenAI-ES loop ported onto the public API (ck.WeightSet): per-member seeds, full backup,
 bfloat16 weights updated with stochastic rounding, on a real torch MLP fitting a regression target.
 
-On every backend the loop agrees bit for bit with the same loop written densely (the noise materialised with
-ck.normal of that backend, the update summed in float32 and rounded with the contract's rounding stream), restores
-exactly, and replayed on the reference backend stays within the tolerance of docs/noise-contract.md."""
+On every backend the loop agrees with the same loop written densely (the noise materialised with ck.normal of that
+backend, the update summed in float32 and rounded with the contract's rounding stream): bit for bit, except that on
+a GPU Triton contracts `w + sigma * eps` and the update's `acc + c * eps` into one FMA (one rounding where torch
+rounds twice), so there the twin agrees within one storage ulp (docs/noise-contract.md). It restores exactly, and
+replayed on the reference backend stays within the tolerance of docs/noise-contract.md."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 import copes_kernels as ck
-from kernels_tests.helpers import bits, storage_ulp
+from kernels_tests.helpers import assert_close_in_ulps, bits, storage_ulp
 
 POPULATION = 6
 SIGMA = 0.02
@@ -60,16 +62,17 @@ def kernel_loop(model: torch.nn.Module, batch) -> list[dict]:
     weights = ck.WeightSet.from_named(named)
     history = []
     for iteration in range(ITERATIONS):
-        seeds, rewards = step_seeds(iteration), []
+        seeds, rewards, perturbed = step_seeds(iteration), [], []
         for member, seed in enumerate(seeds):
             before = [bits(p.detach()).clone() for _, p in named]
             weights.perturb(seed=seed, member=member, sigma=SIGMA)
+            perturbed.append([p.detach().clone() for _, p in named])
             rewards.append(reward(model, batch))
             weights.restore()
             assert all(torch.equal(b, bits(p.detach())) for b, (_, p) in zip(before, named)), "restore is not exact"
         coeffs = es_coeffs(rewards)
         weights.update(coeffs, members=range(POPULATION), seeds=seeds, lr=LR, rounding="stochastic")
-        history.append(dict(seeds=seeds, rewards=rewards, coeffs=coeffs,
+        history.append(dict(seeds=seeds, rewards=rewards, coeffs=coeffs, perturbed=perturbed,
                             weights=[p.detach().clone() for _, p in named]))
     return history
 
@@ -88,33 +91,53 @@ def dense_update(p: torch.Tensor, tensor_id: int, seeds: list[int], coeffs: list
     flat.copy_(ck.round_stochastic(total, p.dtype, uniforms))
 
 
-def dense_loop(model: torch.nn.Module, batch, history: list[dict]) -> None:
-    """The same loop with materialised noise and a subtract-free restore (a saved copy), checked step by step."""
+def fused_multiply_add(backend: str, device: torch.device) -> bool:
+    """Whether the backend's kernels round `a + b * c` once (Triton compiled for a GPU contracts it into an FMA)."""
+    return backend == "triton" and device.type == "cuda"
+
+
+def same_weights(dense: torch.Tensor, kernel: torch.Tensor, ulps: int, what: str) -> None:
+    """Bit for bit (ulps=0), or within `ulps` storage ulps of the kernel's."""
+    if ulps == 0:
+        assert torch.equal(bits(dense), bits(kernel)), f"{what} differs"
+    else:
+        assert_close_in_ulps(dense, kernel, ulps=ulps)
+
+
+def dense_loop(model: torch.nn.Module, batch, history: list[dict], ulps: int = 0) -> None:
+    """The same loop with materialised noise and a subtract-free restore (a saved copy), checked step by step
+    against the kernel loop's weights: bit for bit, or within `ulps` storage ulps, when the dense twin goes on
+    from the kernel's weights and rewards (one ulp would otherwise change every later reward)."""
     named = list(model.named_parameters())
     ids = [ck.tensor_id_of(name) for name, _ in named]
     for iteration, record in enumerate(history):
         seeds, rewards = step_seeds(iteration), []
         for member, seed in enumerate(seeds):
             saved = [p.detach().clone() for _, p in named]
-            for (_, p), tensor_id in zip(named, ids):
+            for (name, p), tensor_id, kernel in zip(named, ids, record["perturbed"][member]):
                 eps = ck.normal(p.numel(), seed=seed, member=member, tensor_id=tensor_id, device=p.device)
                 eps = eps.view(p.shape)
                 p.data = (p.detach().float() + SIGMA * eps).to(p.dtype)
+                same_weights(p.detach(), kernel, ulps, f"iteration {iteration}, member {member}: perturbed {name}")
             rewards.append(reward(model, batch))
             for (_, p), copy in zip(named, saved):
                 p.data = copy
-        assert rewards == record["rewards"], f"iteration {iteration}: the perturbed models differ"
+        if ulps == 0:
+            assert rewards == record["rewards"], f"iteration {iteration}: the perturbed models differ"
         for (_, p), tensor_id in zip(named, ids):
-            dense_update(p, tensor_id, seeds, es_coeffs(rewards))
+            dense_update(p, tensor_id, seeds, es_coeffs(record["rewards"]))
         for (name, p), kernel in zip(named, record["weights"]):
-            assert torch.equal(bits(p.detach()), bits(kernel)), f"iteration {iteration}: {name} differs"
+            same_weights(p.detach(), kernel, ulps, f"iteration {iteration}: {name}")
+            p.data = kernel.clone()
 
 
-def test_the_ported_loop_is_bitwise_the_dense_loop_and_restores_exactly(backend: str, device: torch.device) -> None:
+def test_the_ported_loop_is_the_dense_loop_and_restores_exactly(backend: str, device: torch.device) -> None:
+    """Bit for bit, but within one storage ulp where the kernels fuse a multiply-add the twin rounds twice: #53's
+    review saw ~3% of GPU runs flip a bf16 element there."""
     batch = regression_batch(device)
     history = kernel_loop(make_model(torch.bfloat16, device), batch)
     assert history[-1]["rewards"] != history[0]["rewards"]
-    dense_loop(make_model(torch.bfloat16, device), batch, history)
+    dense_loop(make_model(torch.bfloat16, device), batch, history, ulps=1 if fused_multiply_add(backend, device) else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -4,15 +4,22 @@
 
 Each phase writes DIR/PHASE.json (what it measured) and prints its one summary line last; a check that fails
 makes the exit status 1 (measurements are printed, never asserted). Phases:
-  kernels     kernels_tests without the CPU-backend and lowering suites; torch / triton / GPU versions and the
-              kernels' SASS counts for this GPU (kernels_tests/lower_kernels.py), printed
+  kernels     kernels_tests without the CPU-only suites (compiled CPU backend, numba cache, lowering), through
+              kernels_tests/count_compiles.py, its output streamed to the log as it runs; torch / triton / GPU
+              versions and each compiled kernel's registers and spills, read from the cubins the tests compiled
+              (compiled once: nothing is lowered again)
   shapes      a random-init Qwen3.5-4B-shaped bf16 model: perturb + restore bitwise in every restore mode
               (subtract: the drift, reported), multi-tensor == per-tensor launches for a member and an update,
               member and update times, peak memory, and the weights checksum's peak
   generation  Hugging Face `generate` on 64 ragged left-padded rows at L = 1K/2K/4K, 2 turns (turn 2 re-sends
-              the whole context, as the agent does): peak memory and tokens/s per (L, turn)
-  rollout     copes.train's HF engine on a tool rollout at Qwen3.5-4B's shape, the card capped at 24 GiB: the
-              measured peak beside the memory plan's for the same run (and which delta-net path ran)
+              the whole context, as the agent does): peak memory and tokens/s per (L, turn); an OOM fails it
+  rollout     the HF engine at Qwen3.5-4B's shape, the plan's rows on long synthetic contexts (a kept turn, then
+              a last turn that keeps nothing), the card capped at 24 GiB less the CUDA context: allocated,
+              reserved and mem_get_info peaks beside the plan (no checkpoint, no sandbox: no model code runs)
+  speed       bf16 at the 4B shape: ms per decode step and tokens/s at 1 row and at the planned rows for each
+              engine here (copes' HF engine, eager; transformers' static-cache generate, compiled into CUDA graphs
+              on a GPU; vLLM when carried), each beside the memory-bandwidth floor (weight bytes /
+              peak bandwidth), and the wall time of one headline step (40 x 64 x 600 tokens) they imply
   trainer     copes.train on the device: 2 steps twice (same weights?) and 1 step + resume to 2 (bitwise?)
 `--cpu-dry-run` runs the same code on the CPU at small shapes (tiny configs, short L), so CI keeps it working.
 """
@@ -25,6 +32,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -75,16 +83,26 @@ class Sizes:
     new_tokens: int
     observation_tokens: int
     kernel_tests: tuple[str, ...]
+    long_observation: int  # the rollout phase's tool result: long enough to reach the plan's kept-copy peak
+    decode_context: int  # the speed phase's prompt tokens per row
+    decode_steps: int
 
 
 GPU = Sizes("cuda", QWEN35_4B, population=40, subspaces=4, timed_members=5, rows=64, lengths=(1024, 2048, 4096),
             new_tokens=32, observation_tokens=128,
             kernel_tests=("kernels_tests", "--ignore=kernels_tests/test_cpu_backend.py",
-                          "--ignore=kernels_tests/test_lowering.py"))
+                          "--ignore=kernels_tests/test_numba_cache.py", "--ignore=kernels_tests/test_lowering.py"),
+            long_observation=15_400, decode_context=1024, decode_steps=64)
 CPU_DRY_RUN = Sizes("cpu", QWEN35_TINY, population=8, subspaces=2, timed_members=2, rows=4, lengths=(32, 64),
                     new_tokens=4, observation_tokens=8,
                     kernel_tests=("kernels_tests/test_partition.py", "kernels_tests/test_errors.py",
-                                  "-k", "partition or triton"))
+                                  "-k", "partition or triton"),
+                    long_observation=200, decode_context=32, decode_steps=6)
+HEADLINE_STEP_TOKENS = 40 * 64 * 600  # one GSM8K step of the paper's shape: members x prompts x ~600 tokens
+# Peak DRAM bandwidth by card name (the vendors' data sheets), for the decode floor; other cards: a measured copy.
+PEAK_BANDWIDTH_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100 NVL": 3900,
+                      "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100-SXM4-40GB": 1555, "L40S": 864,
+                      "RTX 4090": 1008, "RTX 3090": 936, "A10": 600, "L4": 300}
 
 
 # ---------------------------------------------------------------- measuring
@@ -149,35 +167,42 @@ def linear_attention_kernels() -> dict[str, str]:
             "conv1d_path": "causal-conv1d kernels" if conv else "torch fallback (F.conv1d)"}
 
 
-def sass_counts(device: str, timeout_s: float) -> list[str]:
-    """kernels_tests/lower_kernels.py's line per kernel for this GPU (registers, spills, SASS counts)."""
-    if device != "cuda":
-        return ["no CUDA device: nothing compiled, no SASS to count"]
-    major, minor = torch.cuda.get_device_capability()
-    command = [sys.executable, "-m", "kernels_tests.lower_kernels", "--arch", f"{major}{minor}"]
-    try:
-        lowered = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as expired:
-        printed = expired.stdout or b""  # bytes, even with text=True
-        printed = printed.decode() if isinstance(printed, bytes) else printed
-        return [*printed.splitlines(), f"SASS counts: timed out after {timeout_s:.0f}s"]
-    return (lowered.stdout + lowered.stderr).strip().splitlines()
+def streamed(command: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Run `command`, printing its output line by line as it comes (a timeout still leaves the log); returns its
+    exit status and last non-empty line."""
+    last = "no output"
+    with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, bufsize=1) as process:
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            last = line.strip() or last
+    return process.returncode, last
+
+
+def compiled_resources(cache: Path) -> list[str]:
+    """Registers, stack and spills of every cubin the tests compiled into `cache` (kernels_tests/lower_kernels.py's
+    cuobjdump reading), so nothing is compiled a second time."""
+    from kernels_tests.lower_kernels import resource_usage
+
+    return [f"{cubin.stem}: {resource_usage(cubin.read_bytes()) or 'no cuobjdump'}"
+            for cubin in sorted(cache.rglob("*.cubin"))]
 
 
 def kernels(sizes: Sizes) -> dict[str, Any]:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", "-rs", *sizes.kernel_tests]
     started = time.perf_counter()
-    tests = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    print(tests.stdout[-6000:], tests.stderr[-2000:], sep="\n")
-    # The SASS counts get what is left of the phase's limit (gpu_check.sh passes it), less 10 s for the summary.
-    left = float(os.environ.get("GPU_CHECK_PHASE_LIMIT_S", "190")) - (time.perf_counter() - started) - 10
-    counts = (sass_counts(sizes.device, timeout_s=left) if left > 20
-              else ["SASS counts skipped: the tests used the phase's time"])
-    print("\n".join(counts))
-    tail = tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else "no pytest output"
-    return {"ok": tests.returncode == 0, "versions": versions(sizes.device), "pytest": tail,
-            "pytest_seconds": round(time.perf_counter() - started, 1), "sass": counts,
-            "summary": f"{tail} | " + " ".join(f"{k}={v}" for k, v in versions(sizes.device).items())}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-triton-") as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        command = [sys.executable, "-m", "kernels_tests.count_compiles", "-q", "-p", "no:cacheprovider", "-m", "",
+                   "-rs", *sizes.kernel_tests]
+        returncode, tail = streamed(command, env)
+        resources = compiled_resources(Path(cache))
+    print("\n".join(resources) or "no cubin compiled (a CPU dry run interprets the kernels)")
+    spills = [line for line in resources if re.search(r"LOCAL:[1-9]", line)]
+    found = versions(sizes.device)
+    return {"ok": returncode == 0, "versions": found, "pytest": tail,
+            "pytest_seconds": round(time.perf_counter() - started, 1), "resources": resources, "spilling": spills,
+            "summary": f"{tail} | {len(resources)} cubins, {len(spills)} spilling | "
+                       + " ".join(f"{k}={v}" for k, v in found.items())}
 
 
 # ---------------------------------------------------------------- phase: shapes
@@ -356,7 +381,8 @@ def generation(sizes: Sizes) -> dict[str, Any]:
     line = " ".join(f"{key}:{run.get('tokens_per_s', 'OOM')}tok/s,{shown_gib(run.get('peak_gib_above_weights'))}"
                     for key, run in runs.items())
     fla = "fla present" if importlib.util.find_spec("fla") else "fla absent (torch delta-net path)"
-    return {"ok": True, "rows": sizes.rows, "new_tokens": sizes.new_tokens, "runs": runs, "fla": fla,
+    oom = [key for key, run in runs.items() if "oom" in run]
+    return {"ok": not oom, "rows": sizes.rows, "new_tokens": sizes.new_tokens, "runs": runs, "fla": fla,
             "summary": f"{sizes.rows} rows, {sizes.new_tokens} new tokens/turn, {fla}: {line}"}
 
 
@@ -407,51 +433,241 @@ def process_peak_gib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
 
 
-def rollout(sizes: Sizes) -> dict[str, Any]:
-    """The HF engine on a tool rollout at Qwen3.5-4B's shape with the card capped at 24 GiB: one CoPES step of
-    `copes.train` (tool-arithmetic, the Python tool, two turns) on a random model in the released wrapper layout
-    (bench/common/rehearsal_model.py, drawn on the device), its measured peak beside `plan_for`'s for the same config,
-    so the 24 GB claim is measured the first time a device is lent. The dry run: the reduced width, RSS beside the
-    plan."""
-    import copes
-    from copes.config.options import build_config
-    from copes.plan.memory import plan_for, plan_json
+def config_folder(sizes: Sizes, folder: Path) -> Path:
+    """The model's config.json alone (what the memory plan reads): the model itself is drawn on the device."""
+    from transformers import Qwen3_5TextConfig
 
-    from common.rehearsal_model import REDUCED_TEXT, build_rehearsal_model
+    Qwen3_5TextConfig(**sizes.model).save_pretrained(folder)
+    return folder
+
+
+def long_rollout_plan(sizes: Sizes, folder: Path) -> Any:
+    """The memory plan of a two-turn tool rollout whose tool result is long: one kept turn, then a last turn, at the
+    context the headline reaches (~16K tokens on the GPU). --restore host: no backup, the engine alone is measured."""
+    from copes.config.options import build_config
+    from copes.plan.memory import plan_for
+
+    settings = {"model": str(folder), "task": "tool-arithmetic", "device": sizes.device, "dtype": "bfloat16",
+                "rollout_engine": "hf", "restore": "host", "population": 4, "subspaces": 4, "prompt_batch": sizes.rows,
+                "max_turns": 2, "max_new_tokens": sizes.new_tokens, "max_observation_tokens": sizes.long_observation,
+                "max_context_tokens": 1 << 20, "device_memory_gib": 24}
+    return plan_for(build_config(settings), uses_tools=True)
+
+
+def cap_at_24_gib_less_context() -> dict[str, int]:
+    """Cap this process's allocator where a 24 GiB card would leave it: 24 GiB less the CUDA context this process
+    already holds (the card's used memory that the allocator did not reserve)."""
+    free, total = torch.cuda.mem_get_info()
+    context = total - free - torch.cuda.memory_reserved()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (24 * GiB - context) / total))
+    return {"card_bytes": total, "context_bytes": context}
+
+
+def rollout(sizes: Sizes) -> dict[str, Any]:
+    """The HF engine at the plan's rows on synthetic contexts long enough to reach the plan's peaks: every row ends
+    its first turn as on a tool call (its cache kept), takes a tool result of `long_observation` tokens, and its last
+    turn keeps nothing (keep=False), as the agent runs it. No task, no tools, no checkpoint: the random model's
+    text never runs and nothing is exported. On the GPU: allocated, reserved and the card's used memory
+    (mem_get_info) at their peaks beside the plan's peak; the dry run: RSS."""
+    from copes.plan.memory import PROMPT_TOKENS, TOOL_WRAPPER_TOKENS, plan_json
+    from copes.rollout.hf_engine import HFEngine
 
     capped = sizes.device == "cuda"
-    if capped:  # what a 24 GB card leaves this process (the plan's own reserve is inside the 24 GiB)
-        card = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, 24 * GiB / card))
+    card = cap_at_24_gib_less_context() if capped else {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-rollout-") as scratch:
-        folder = build_rehearsal_model(Path(scratch) / "model", device=sizes.device,
-                                       text_overrides=None if capped else REDUCED_TEXT)
-        settings = {"model": str(folder), "task": "tool-arithmetic", "tools": True, "device": sizes.device,
-                    "dtype": "bfloat16", "algorithm": "copes", "population": sizes.subspaces,
-                    "subspaces": sizes.subspaces, "prompt_batch": sizes.rows, "max_new_tokens": sizes.new_tokens,
-                    "max_turns": 2, "steps": 1, "eval_size": 0, "sample_every": 0, "seed": 0, "cpu_threads": 0,
-                    "device_memory_gib": 24, "output_dir": str(Path(scratch) / "run")}
-        plan = plan_for(build_config(settings))
-        baseline = reset_peak(sizes.device)
-        error = None
-        try:
-            took = seconds(sizes.device, lambda: copes.train(settings))
-        except Exception as failure:  # an OOM under the cap is the finding, reported
-            took, error = math.nan, f"{type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
-        metrics = (Path(settings["output_dir"]) / "metrics.jsonl").read_text().splitlines() if error is None else []
-    measured = round(torch.cuda.max_memory_allocated() / GiB, 3) if capped else process_peak_gib()
+        plan = long_rollout_plan(sizes, config_folder(sizes, Path(scratch)))
+    model = qwen35_model(sizes)
+    rows, new = plan.rows, sizes.new_tokens
+    generator = torch.Generator().manual_seed(0)
+    vocab = int(sizes.model["vocab_size"])
+    prompts = torch.randint(1, vocab, (rows, PROMPT_TOKENS), generator=generator).tolist()
+    observation = torch.randint(1, vocab, (TOOL_WRAPPER_TOKENS + sizes.long_observation,),
+                                generator=generator).tolist()
+    engine, keys = HFEngine(model), list(range(rows))
+    used_peak, error = 0, None
+
+    def turns() -> None:
+        nonlocal used_peak
+        engine.start_rollout()
+        first = engine.generate_ids(prompts, [new + 1] * rows, eos=set(), keys=keys, remember=True,
+                                    ends_on_stop=lambda ids, tokens: len(tokens) >= new)
+        if capped:
+            used_peak = max(used_peak, card["card_bytes"] - torch.cuda.mem_get_info()[0])
+        context = [prompt + tokens + observation for prompt, tokens in zip(prompts, first)]
+        engine.generate_ids(context, [new] * rows, eos=set(), keys=keys, remember=False)  # the last turn
+
+    reset_peak(sizes.device)
+    try:
+        took = seconds(sizes.device, turns)
+    except torch.OutOfMemoryError as failure:  # an OOM at the plan's rows is the finding
+        took, error = math.nan, f"OutOfMemoryError: {str(failure).splitlines()[0][:300]}"
     planned = round(plan.peak_bytes() / GiB, 3)
+    if capped:
+        measured = round(torch.cuda.max_memory_allocated() / GiB, 3)
+        reserved = round(torch.cuda.max_memory_reserved() / GiB, 3)
+        used = round(max(used_peak, card["card_bytes"] - torch.cuda.mem_get_info()[0]) / GiB, 3)
+        seen = (f"allocated {measured}, reserved {reserved}, card used {used} GiB "
+                f"(context {card['context_bytes'] / GiB:.2f})")
+    else:
+        measured, reserved, used = process_peak_gib(), None, None
+        seen = f"peak RSS {measured} GiB"
     ratio = round(measured / planned, 3)
-    step = json.loads(metrics[-1]) if metrics else {}
-    over = ratio > 1.0
-    summary = (f"{plan.rows} rows per call of {settings['prompt_batch']}, {sizes.new_tokens} tokens x 2 turns: "
-               f"{'peak allocated' if capped else 'peak RSS'} {measured} GiB, planned {planned} GiB "
-               f"(ratio {ratio}{', OVER THE PLAN' if over else ''}); tools {step.get('time', {}).get('tools')} s, "
-               f"{took:.0f} s" + (f"; FAILED: {error}" if error else ""))
-    return {"ok": error is None and not (capped and over), "capped_gib": 24 if capped else None,
-            "measured_gib": measured, "above_weights_at_start_gib": round(baseline / GiB, 3),
+    over = capped and ratio > 1.0
+    summary = (f"{rows} rows (the plan's) x {plan.rollout.context_tokens} tokens, 2 turns: {seen}; planned "
+               f"{planned} GiB ({'allocated' if capped else 'RSS'}/planned {ratio}"
+               f"{', OVER THE PLAN' if over else ''}); {took:.0f} s"
+               + (f"; FAILED: {error}" if error else ""))
+    return {"ok": error is None and not over, "rows": rows, "context_tokens": plan.rollout.context_tokens,
+            "measured_gib": measured, "reserved_gib": reserved, "card_used_gib": used, **card,
             "planned_gib": planned, "measured_over_planned": ratio, "plan": json.loads(plan_json(plan)),
-            "step": step, "error": error, **linear_attention_kernels(), "summary": summary}
+            "error": error, **linear_attention_kernels(), "summary": summary}
+
+
+# ---------------------------------------------------------------- phase: speed
+
+
+def peak_bandwidth_gbs(device: str) -> tuple[float, str]:
+    """The memory's peak bandwidth in GB/s and where it came from: the data sheet of a known card, else a measured
+    copy of 1 GiB (what the CPU dry run uses)."""
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        for card, bandwidth in PEAK_BANDWIDTH_GBS.items():
+            if card in name:
+                return bandwidth, f"{name} data sheet"
+    source = torch.empty(GiB // 4 if device == "cuda" else GiB // 16, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)  # warm-up
+    took = seconds(device, lambda: [target.copy_(source) for _ in range(5)])
+    return round(5 * 2 * source.numel() / took / 1e9, 1), "a measured copy"
+
+
+def hf_decode(model: torch.nn.Module, sizes: Sizes, rows: int) -> dict[str, Any]:
+    """ms per decode step of the HF engine at `rows` rows: two generations from the same prompts that differ only
+    in their decode steps, so the prefill cancels."""
+    from copes.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(model)
+    generator = torch.Generator().manual_seed(rows)
+    prompts = torch.randint(1, int(sizes.model["vocab_size"]), (rows, sizes.decode_context),
+                            generator=generator).tolist()
+
+    def generate(steps: int) -> float:
+        engine.start_rollout()
+        return seconds(sizes.device, lambda: engine.generate_ids(prompts, [steps] * rows, eos=set()))
+
+    generate(2)  # warm-up
+    short, long = generate(2), generate(2 + sizes.decode_steps)
+    ms = 1000 * (long - short) / sizes.decode_steps
+    return {"ms_per_step": round(ms, 2), "tokens_per_s": round(rows * 1000 / ms, 1)}
+
+
+def static_cache_generate(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy tokens of transformers' `generate` on a static cache (same-length prompts, so no padding): on CUDA
+    transformers compiles its decode step (torch.compile, CUDA graphs), the launch-free decode the HF engine lacks."""
+    ids = torch.tensor(prompts, device=model.device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                         min_new_tokens=steps, do_sample=False, pad_token_id=0, cache_implementation="static")
+    return out[:, ids.shape[1]:].tolist()
+
+
+def static_decode(model: torch.nn.Module, sizes: Sizes, rows: int) -> dict[str, Any]:
+    """`hf_decode`'s measure on `static_cache_generate`."""
+    generator = torch.Generator().manual_seed(rows)
+    prompts = torch.randint(1, int(sizes.model["vocab_size"]), (rows, sizes.decode_context),
+                            generator=generator).tolist()
+
+    def generate(steps: int) -> float:
+        return seconds(sizes.device, lambda: static_cache_generate(model, prompts, steps))
+
+    generate(2 + sizes.decode_steps)  # warm-up: the compiles, at the longest cache
+    short, long = generate(2), generate(2 + sizes.decode_steps)
+    ms = 1000 * (long - short) / sizes.decode_steps
+    return {"ms_per_step": round(ms, 2), "tokens_per_s": round(rows * 1000 / ms, 1)}
+
+
+def vllm_decode(sizes: Sizes, folder: Path, row_counts: list[int]) -> dict[str, Any]:
+    """The same measure on vLLM (CUDA graphs) with dummy weights of the model's shape: no checkpoint is written."""
+    import vllm
+
+    llm = vllm.LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                   max_model_len=sizes.decode_context + sizes.decode_steps + 8, gpu_memory_utilization=0.85, seed=0)
+
+    def decode(rows: int) -> dict[str, Any]:
+        prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(range(1 + row, 1 + row + sizes.decode_context)))
+                   for row in range(rows)]
+
+        def generate(steps: int) -> float:
+            params = vllm.SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+            return seconds(sizes.device, lambda: llm.generate(prompts, params, use_tqdm=False))
+
+        generate(2)
+        short, long = generate(2), generate(2 + sizes.decode_steps)
+        ms = 1000 * (long - short) / sizes.decode_steps
+        return {"ms_per_step": round(ms, 2), "tokens_per_s": round(rows * 1000 / ms, 1)}
+
+    return timed_rows("vllm", row_counts, decode)
+
+
+def timed_rows(engine: str, row_counts: list[int], decode: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    """`decode(rows)` per row count, each printed as it is measured (a timeout still leaves the figures so far)."""
+    found = {}
+    for rows in row_counts:
+        found[f"{rows} rows"] = decode(rows)
+        print(f"{engine}, {rows} rows: {found[f'{rows} rows']}", flush=True)
+    return found
+
+
+def speed(sizes: Sizes) -> dict[str, Any]:
+    """Decode speed at the 4B shape in bf16, per engine, at 1 row and at the rows the headline's plan gives (the
+    dry run: its tiny model), each beside the floor a decode step cannot beat: reading every weight once (weight
+    bytes / peak bandwidth). From the planned rows' tokens/s, one headline step's wall time (decode only)."""
+    from copes.config.options import build_config
+    from copes.plan.memory import plan_for
+
+    with tempfile.TemporaryDirectory(prefix="gpu-check-speed-") as scratch:
+        folder = config_folder(sizes, Path(scratch))
+        headline = plan_for(build_config({"model": str(folder), "task": "gsm8k", "device": sizes.device,
+                                          "dtype": "bfloat16", "rollout_engine": "hf", "population": 40,
+                                          "subspaces": 4, "prompt_batch": sizes.rows, "device_memory_gib": 24}),
+                            uses_tools=True)
+        row_counts = sorted({1, max(headline.rows, 1)})
+        model = qwen35_model(sizes)
+        bandwidth, source = peak_bandwidth_gbs(sizes.device)
+        weights_bytes = weight_bytes(model)
+        floor_ms = weights_bytes / (bandwidth * 1e9) * 1000
+        print(f"floor {floor_ms:.3f} ms per decode step ({weights_bytes / GiB:.2f} GiB / {bandwidth} GB/s, {source})",
+              flush=True)
+        engines: dict[str, Any] = {"hf eager": timed_rows("hf eager", row_counts,
+                                                          lambda rows: hf_decode(model, sizes, rows))}
+        try:  # transformers' own static-cache decode (the copes HF engine has no such path yet); its compiles may
+            # be slow, so it runs after the eager figures are in the log
+            engines["hf static"] = timed_rows("hf static", row_counts, lambda rows: static_decode(model, sizes, rows))
+        except Exception as failure:  # an older transformers or a compile failure: reported, not fatal
+            engines["hf static"] = f"failed: {type(failure).__name__}: {str(failure).splitlines()[0][:200]}"
+        if sizes.device == "cuda" and importlib.util.find_spec("vllm") is not None:
+            del model
+            torch.cuda.empty_cache()
+            try:
+                engines["vllm"] = vllm_decode(sizes, folder, row_counts)
+            except Exception as failure:  # reported, not fatal: the HF figures stand alone
+                engines["vllm"] = f"failed: {type(failure).__name__}: {str(failure).splitlines()[0][:200]}"
+        else:
+            engines["vllm"] = "not installed here (its wheels are not carried)"
+    for measured in engines.values():
+        for run in measured.values() if isinstance(measured, dict) else ():
+            run["over_floor"] = round(run["ms_per_step"] / floor_ms, 1)
+    planned = f"{row_counts[-1]} rows"
+    step_hours = {name: round(HEADLINE_STEP_TOKENS / measured[planned]["tokens_per_s"] / 3600, 2)
+                  for name, measured in engines.items() if isinstance(measured, dict)}
+    shown = "; ".join(f"{name}: " + ", ".join(f"{rows} {run['ms_per_step']} ms/step {run['tokens_per_s']} tok/s "
+                                              f"{run['over_floor']}x floor" for rows, run in measured.items())
+                      for name, measured in engines.items() if isinstance(measured, dict))
+    estimate = ", ".join(f"{name} {hours} h" for name, hours in step_hours.items())
+    return {"ok": True, "floor_ms": round(floor_ms, 3), "bandwidth_gbs": bandwidth, "bandwidth_source": source,
+            "weight_gib": round(weights_bytes / GiB, 3), "rows": row_counts, "engines": engines,
+            "headline_step_hours": step_hours,
+            "summary": f"floor {floor_ms:.2f} ms/step (weights / {bandwidth} GB/s, {source}); {shown}; one headline "
+                       f"step ({HEADLINE_STEP_TOKENS:,} tokens, decode only): {estimate}"}
 
 
 # ---------------------------------------------------------------- entry point
@@ -482,8 +698,8 @@ def vllm(sizes: Sizes) -> dict[str, Any]:
 
 
 PHASES: dict[str, Callable[[Sizes], dict[str, Any]]] = {
-    "kernels": kernels, "shapes": shapes, "rollout": rollout, "generation": generation, "trainer": trainer,
-    "vllm": vllm,
+    "kernels": kernels, "shapes": shapes, "rollout": rollout, "speed": speed, "generation": generation,
+    "trainer": trainer, "vllm": vllm,
 }
 
 

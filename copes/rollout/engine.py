@@ -1,5 +1,6 @@
 """Rollout engines: what generates a batch of chat turns (stop strings, per-row token limits) into `Generation`s.
 
+    auto  vllm on CUDA where vLLM is installed, hf elsewhere (the default)
     hf    the model the trainer holds, on its own forward: each row's cache kept across turns, chunked prefill,
           finished rows dropped (copes.rollout.hf_engine; `generate_batch` is its reference)
     vllm  a vLLM engine that owns the weights; the trainer holds HF-named views of them (copes.rollout.vllm.engine)
@@ -12,11 +13,13 @@ weights; `start_rollout()` says the weights may have changed since the previous 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Protocol
 
 import torch
 
 from copes.choices import ROLLOUT_ENGINES
+from copes.extras import engine_fallback_hint, rollout_engine_for
 from copes.modeling import load_model
 from copes.rollout.generate import Generation
 from copes.rollout.hf_engine import HFEngine, RowContext
@@ -27,11 +30,12 @@ class RolloutEngine(Protocol):
     def start_rollout(self) -> None:
         """A new rollout begins: the weights may differ from the previous rollout's."""
 
-    def generate(self, tokenizer: Any, prompts: list[str], *, rows: list[int] | None = None,
+    def generate(self, tokenizer: Any, prompts: list[str], *, rows: list[int] | None = None, keep: bool = True,
                  row_context: RowContext | None = None, **options: Any) -> list[Generation]:
         """Continue every prompt, results in prompt order: the contract and keyword options of `generate_batch`
         (max_new_tokens, one or per row; greedy, temperature, top_p; stop_strings; seed). `rows` names each
-        prompt's row of the rollout (an engine may keep a row's state for its next turn); `row_context(rows)`
+        prompt's row of the rollout (an engine may keep a row's state for its next turn; `keep=False`: the rows have
+        no next turn, so nothing is kept); `row_context(rows)`
         wraps the forwards that compute those rows (an engine that batches differently calls it per forward)."""
 
 
@@ -57,7 +61,7 @@ def use_expandable_segments() -> None:
 
 
 def load_rollout_model(
-    model: str, *, engine: str = "hf", device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
+    model: str, *, engine: str = "auto", device: str = "auto", dtype: str = "auto", cpu_threads: int = 0,
     kv_cache_gib: float | None = None, max_context_tokens: int | None = None, vllm_cpu_weights: str = "packed",
     lora: LoRASlots | None = None,
 ) -> tuple[torch.nn.Module, Any, torch.device]:
@@ -65,7 +69,11 @@ def load_rollout_model(
     of the vLLM engine's weights and its rollouts run in that engine (on CPU, with `vllm_cpu_weights` linear
     weights: "plain" or "packed", see copes.rollout.vllm.engine). On CPU, `cpu_threads` (0: torch's default) sets
     torch's intra-op threads. `lora` (vLLM only) starts the engine with LoRA adapters enabled, for a batched
-    low-rank population (copes.rollout.vllm.lora); the hf engine routes rows without it."""
+    low-rank population (copes.rollout.vllm.lora); the hf engine routes rows without it. engine="auto": vllm on
+    CUDA where vLLM is installed, else hf (with a one-line hint on CUDA)."""
+    if hint := engine_fallback_hint(engine, device):
+        print(hint, file=sys.stderr)
+    engine = rollout_engine_for(engine, device)
     if engine == "hf":
         if str(device).startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
             use_expandable_segments()

@@ -245,10 +245,11 @@ class HFEngine:
 
     def generate(self, tokenizer: Any, prompts: list[str], *, max_new_tokens: int | Sequence[int],
                  greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, stop_strings: Sequence[str] = (),
-                 seed: int | None = None, rows: Sequence[int] | None = None,
+                 seed: int | None = None, rows: Sequence[int] | None = None, keep: bool = True,
                  row_context: RowContext | None = None) -> list[Generation]:
         """`generate_batch`'s contract. `rows` names each prompt's row of the rollout (its cache is kept for the
-        row's next call); `row_context(keys)` wraps every forward (keys: `rows`, or prompt positions)."""
+        row's next call, unless `keep` is False: the agent's last turn, whose caches no call would read);
+        `row_context(keys)` wraps every forward (keys: `rows`, or prompt positions)."""
         limits = row_limits(len(prompts), max_new_tokens, greedy=greedy, temperature=temperature, top_p=top_p)
         keys = list(range(len(prompts))) if rows is None else list(rows)
         if len(keys) != len(prompts):
@@ -269,7 +270,7 @@ class HFEngine:
                 torch.manual_seed(seed)
             new_ids = self.generate_ids(prompt_token_ids(tokenizer, prompts), limits, eos=set(eos),
                                         ends_on_stop=ends_on_stop, picker=Picker(greedy, temperature, top_p),
-                                        keys=keys, remember=rows is not None, row_context=row_context)
+                                        keys=keys, remember=rows is not None and keep, row_context=row_context)
         return [finish_row(tokenizer, ids, limit, set(eos), pad, stop_strings) for ids, limit in zip(new_ids, limits)]
 
     def generate_ids(self, prompts: list[list[int]], limits: list[int], *, eos: set[int],

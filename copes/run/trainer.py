@@ -33,6 +33,7 @@ from copes.config.components import (
 from copes.config.options import TrainConfig, build_config, config_with_preset
 from copes.errors import ConfigError, UserError
 from copes.es.strategies.base import WHOLE_POPULATION, StepStats
+from copes.extras import engine_fallback_hint
 from copes.failpoints import failpoint
 from copes.modeling import release_free_heap, resolve_model_path
 from copes.plan.memory import check_plan
@@ -75,6 +76,12 @@ class Trainer:
         cfg = self.cfg
         self.dist = init_distributed(cfg.device, timeout_s=cfg.dist_timeout_s)
         self.is_main = self.dist is None or self.dist.is_main  # only rank 0 writes logs and checkpoints
+        # Under torchrun / --workers each rank builds its own engine on its own device (vLLM's external-launcher mode:
+        # copes.rollout.vllm.engine), all ranks at once, as vLLM's engine start is collective over the world.
+        device = str(self.dist.device) if self.dist else cfg.device
+        if self.is_main and (hint := engine_fallback_hint(cfg.rollout_engine, device)):
+            print(hint, file=sys.stderr)
+        self.cfg = cfg = cfg.with_engine_for(device)  # the journal records the engine the run used
         if cfg.wandb and self.is_main:
             import_wandb()  # a missing package is said before anything loads
         self.record = RunRecord(cfg, writer=self.is_main)
@@ -85,9 +92,6 @@ class Trainer:
                 raise ConfigError(f"task {cfg.task} has no training examples")
             self.eval_set = eval_examples(self.task, cfg, warn=self.is_main)
         self.data_files = list(data_files)
-        # Under torchrun / --workers each rank builds its own engine on its own device (vLLM's external-launcher mode:
-        # copes.rollout.vllm.engine), all ranks at once, as vLLM's engine start is collective over the world.
-        device = str(self.dist.device) if self.dist else cfg.device
         # Refuses what cannot fit before anything loads; its one-line summary is said when training starts, so a
         # mistake found before then (a journal, a resume, an output option) is still the only line on stderr.
         self.plan = check_plan(cfg, device=device, uses_tools=tools_on(cfg.tools, self.task), say=lambda line: None)

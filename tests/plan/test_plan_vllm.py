@@ -9,6 +9,7 @@ from copes.config.options import build_config
 from copes.plan.memory import GIB, layer_activation_bytes_per_token, plan_for
 from copes.rollout.vllm import STEP_TOKENS
 
+from helpers.installed import pretend_installed
 from helpers.paths import FIXTURES
 
 QWEN35 = FIXTURES / "qwen3.5-4b"
@@ -70,3 +71,28 @@ def test_low_rank_on_vllm_plans_without_the_tied_embedding() -> None:
     assert on_vllm.shape.trainable == on_vllm.shape.parameters - embedding
     assert on_vllm.shape.largest_tensor == on_vllm.shape.intermediate * on_vllm.shape.hidden
     assert on_vllm.update_bytes < on_hf.update_bytes / 20
+
+
+def test_vllm_on_cuda_plans_its_cuda_graphs() -> None:
+    """Guards #53: vLLM's captured decode graphs hold a private pool on the card that the plan left out (the KV pool
+    took what the card leaves, so the graphs had no room). On CPU vLLM runs eagerly: no graph line."""
+    fixed = {line.what: line for line in plan_for(build_config(HEADLINE)).fixed}
+    assert fixed["CUDA graphs"].bytes > 0.25 * GIB
+    on_cpu = plan_for(build_config({**HEADLINE, "device": "cpu", "vllm_kv_cache_gib": 1.0}))
+    assert "CUDA graphs" not in {line.what for line in on_cpu.fixed}
+
+
+def test_auto_engine_plans_vllm_on_cuda_where_importable_and_names_it(monkeypatch) -> None:
+    """Guards #53 (`--rollout-engine auto`, the new default): on CUDA with vLLM importable the plan is vLLM's, without
+    it HF's (rows per generate call capped), on CPU always HF's; the table's first line names the engine."""
+    pretend_installed(monkeypatch, {"vllm": True})
+    auto = {**HEADLINE, "rollout_engine": "auto"}
+    assert build_config({k: v for k, v in auto.items() if k != "rollout_engine"}).rollout_engine == "auto"
+    plan = plan_for(build_config(auto))
+    assert plan.engine == "vllm" and plan.per_row == [] and "engine vllm" in plan.table().splitlines()[0]
+    pretend_installed(monkeypatch, {"vllm": False})
+    plan = plan_for(build_config(auto))
+    assert plan.engine == "hf" and plan.rows < 64 and "engine hf" in plan.table().splitlines()[0]
+    assert "engine hf" in plan.summary()
+    pretend_installed(monkeypatch, {"vllm": True})
+    assert plan_for(build_config({**auto, "device": "cpu", "prompt_batch": 1})).engine == "hf"

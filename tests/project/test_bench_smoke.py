@@ -187,7 +187,7 @@ def test_sandbox_throughput_times_a_git_revision_against_this_checkout() -> None
     assert rows[0]["ratio"] == 1 and all(row["runs_per_s"] > 0 for row in rows)
 
 
-GPU_CHECK_PHASES = ("kernels", "rollout", "shapes", "generation", "trainer", "vllm")
+GPU_CHECK_PHASES = ("kernels", "rollout", "speed", "shapes", "generation", "trainer", "vllm")
 
 
 @pytest.mark.integration
@@ -214,4 +214,39 @@ def test_gpu_check_dry_run_returns_one_tarball_with_a_summary_per_phase(tmp_path
     # The rollout phase's peak beside the plan's for the same run (on a GPU: capped at 24 GiB, the 24 GB claim).
     assert rollout["error"] is None and rollout["plan"]["peak_bytes"] > 0 and rollout["measured_over_planned"] > 0
     assert rollout["delta_rule_path"] and rollout["conv1d_path"]
+    # #53: the rollout runs the plan's rows on contexts long enough for its kept-copy and last-turn peaks; the speed
+    # phase puts ms per decode step beside the memory-bandwidth floor and estimates one headline step.
+    assert rollout["rows"] == rollout["plan"]["rows"] and rollout["context_tokens"] > 500
+    speed = next(line for line in summaries if line.startswith("== speed"))
+    assert "floor" in speed and "headline step" in speed, speed
     assert not list(tmp_path.glob("gpu-check.*")), "the work folder outlived the script"
+
+
+def test_the_speed_phases_static_cache_decode_gives_the_hf_engines_tokens() -> None:
+    """#53: the GPU check's speed phase times transformers' static-cache decode (compiled into CUDA graphs on a GPU)
+    beside copes' HF engine; on the CPU in fp32 both give the same greedy tokens, so they time the same work."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from copes.rollout.hf_engine import HFEngine
+
+    sys.path.insert(0, str(BENCH_DIR / "device"))
+    import gpu_check
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**gpu_check.QWEN35_TINY), dtype=torch.float32).eval()
+    prompts = torch.randint(1, 512, (3, 24), generator=torch.Generator().manual_seed(1)).tolist()
+    engine = HFEngine(model)
+    assert gpu_check.static_cache_generate(model, prompts, 10) == engine.generate_ids(prompts, [10] * 3, eos=set())
+
+
+def test_the_gpu_checks_generation_phase_fails_on_an_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """#53: the generation phase reported an out-of-memory as a pass. A CPU cannot run out of device memory, so the
+    turn's OOM record is what `generate_turn` returns when `generate` raises torch.OutOfMemoryError."""
+    sys.path.insert(0, str(BENCH_DIR / "device"))
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check, "qwen35_model", lambda sizes: None)
+    out_of_memory = {"oom": "CUDA out of memory", "peak_gib_above_weights": 1.0}
+    monkeypatch.setattr(gpu_check, "generate_turn", lambda *args: out_of_memory)
+    found = gpu_check.generation(gpu_check.CPU_DRY_RUN)
+    assert not found["ok"] and "OOM" in found["summary"]

@@ -211,16 +211,18 @@ class CacheKeepingEngine:
     keeps_row_caches = True
 
     def __init__(self, policy: ScriptedPolicy) -> None:
-        self.policy, self.kept, self.most_kept, self.batches = policy, set(), 0, []
+        self.policy, self.kept, self.most_kept, self.batches, self.keeps = policy, set(), 0, [], []
 
     def start_rollout(self) -> None:
         self.kept.clear()
 
-    def generate(self, tokenizer, prompts, *, rows, row_context=None, seed=None, **options):
+    def generate(self, tokenizer, prompts, *, rows, keep=True, row_context=None, seed=None, **options):
         self.kept -= set(rows)  # a continued row's cache moves into this call
         self.batches.append(list(rows))
+        self.keeps.append(keep)
         generations = generate_batch(self.policy, tokenizer, prompts, **options)
-        self.kept |= {row for row, generation in zip(rows, generations) if generation.finished_by == "stop"}
+        if keep:
+            self.kept |= {row for row, generation in zip(rows, generations) if generation.finished_by == "stop"}
         self.most_kept = max(self.most_kept, len(self.kept))
         return generations
 
@@ -239,6 +241,20 @@ def test_kept_row_caches_are_bounded_by_one_generate_calls_rows(tokenizer, tools
     assert engine.kept == set()
     assert engine.batches == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2 + [[8, 9, 10, 11]] * 2 + [[12, 13, 14, 15]] * 2
     assert all(t.num_turns == 2 and t.used_tool and t.finished_by == "eos" for t in trajectories)
+
+
+def test_the_last_turn_asks_the_engine_to_keep_no_caches(tokenizer, tools):
+    """Guards #53: on a rollout's last turn no row has a next turn, so the agent passes `keep=False` and the engine
+    clones no cache (the HF engine's clones of the whole final context were live beside the call's store)."""
+    keys = ["[r0]", "[r1]"]
+    policy = scripted(tokenizer, {key: [call("python", code="print(1)")] * 2 for key in keys})
+    engine = CacheKeepingEngine(policy)
+    attach_engine(policy, engine)
+    trajectories = run_agent(policy, tokenizer, keys, tools=tools,
+                             config=AgentConfig(batch_size=1, max_new_tokens=64, max_turns=2))
+    assert engine.keeps == [True, False] * 2
+    assert all(t.finished_by == "max_turns" and t.num_turns == 2 for t in trajectories)
+
 
 def test_tag_format_appends_results_in_the_same_turn(tmp_path, tools):
     tokenizer = build_tiny_tokenizer(tmp_path, chat_template="plain")

@@ -516,6 +516,23 @@ def test_a_second_turn_prefills_only_its_new_tokens(char_lm, char_tokenizer):
     assert counter.since(mark) - (second.num_tokens - 1) == context_len
 
 
+def test_a_last_turn_reuses_its_cache_but_keeps_none(char_lm, char_tokenizer):
+    """Guards #53: the agent's last turn (`keep=False`) still continues from the row's kept cache, but clones
+    nothing for a turn that never comes (the clones held up to the whole final context beside the call's store)."""
+    engine, counter = HFEngine(char_lm), ForwardPositions(char_lm)
+    prompt = "305-49=256\n12+7=19\n1000-999="
+    engine.start_rollout()
+    first, stop = _stopping_turn(engine, char_lm, char_tokenizer, prompt, row=0)
+    assert set(engine._states) == {0}
+    context = prompt + first.text + "\n12+7="
+    ends = [stop, _clean_stop(generate_batch(char_lm, char_tokenizer, [context], max_new_tokens=10)[0].text)]
+    mark = len(counter.positions)
+    (last,) = engine.generate(char_tokenizer, [context], max_new_tokens=10, stop_strings=ends, rows=[0], keep=False)
+    first_len, context_len = prompt_token_counts(char_tokenizer, [prompt, context])
+    assert counter.since(mark) - (last.num_tokens - 1) == context_len - (first_len + first.num_tokens - 1)
+    assert last.finished_by == "stop" and engine._states == {}
+
+
 def test_finished_rows_stop_costing_compute(lm, tokenizer):
     counter = ForwardPositions(lm)
     limits = [2, 25, 9, 4]
@@ -601,10 +618,10 @@ def test_the_hf_engine_on_cuda_asks_the_allocator_for_expandable_segments(monkey
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", asked.append)
     monkeypatch.setattr(engine_module, "load_model", lambda *args, **kwargs: (None, None, torch.device("cpu")))
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    engine_module.load_rollout_model("tiny", device="cpu")
+    engine_module.load_rollout_model("tiny", engine="hf", device="cpu")
     assert asked == []
-    engine_module.load_rollout_model("tiny", device="cuda:1")
+    engine_module.load_rollout_model("tiny", engine="hf", device="cuda:1")
     assert asked == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    engine_module.load_rollout_model("tiny", device="cuda")
+    engine_module.load_rollout_model("tiny", engine="hf", device="cuda")
     assert asked == ["expandable_segments:True"]

@@ -240,9 +240,9 @@ class VLLMEngine:
         torch_dtype = resolve_dtype(dtype, self.device)
         config = AutoConfig.from_pretrained(path)
         text_config = config.get_text_config()
-        if self.device.type == "cpu":
+        if self.device.type == "cpu":  # on CUDA vLLM keeps plain weight tensors and never calls the CPU dispatch
             _check_cpu_attention(text_config, torch_dtype)
-        keep_plain_linear_weights()
+            keep_plain_linear_weights()
         _shield_llvmlite_from_kernel_scan()
         real_set_num_threads = torch.set_num_threads
         if self.device.type == "cpu" and cpu_threads:
@@ -337,11 +337,12 @@ class VLLMEngine:
 
     def generate(self, tokenizer: Any, prompts: list[str], *, max_new_tokens: int | Sequence[int], greedy: bool = True,
                  temperature: float = 1.0, top_p: float = 1.0, stop_strings: Sequence[str] = (),
-                 seed: int | None = None, rows: Sequence[int] | None = None,
+                 seed: int | None = None, rows: Sequence[int] | None = None, keep: bool = True,
                  row_context: Any = None) -> list[Generation]:
         """`generate_batch`'s contract on vLLM: the same prompt tokens, the same stop and EOS rules (each row is
         finished by `finish_row` from its token ids), per-row limits. Sampling draws vLLM's own random numbers.
-        `rows` is not needed (the prefix cache finds a row's earlier turns by content); `row_context` wraps the call,
+        `rows` and `keep` are not needed (the prefix cache finds a row's earlier turns by content); `row_context` wraps
+        the call,
         and when it yields a routing (a batched low-rank population) each request gets its member's adapter."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

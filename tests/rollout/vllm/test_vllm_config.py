@@ -11,14 +11,16 @@ from copes.errors import UserError
 from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
 
 
-def test_hf_is_the_default_engine() -> None:
-    assert build_config().rollout_engine == "hf"
+def test_auto_is_the_default_engine_and_hf_on_cpu() -> None:
+    """#53: `auto` is the default; a CPU run resolves it to hf, vLLM installed or not."""
+    assert build_config().rollout_engine == "auto"
+    assert build_config().with_engine_for("cpu").rollout_engine == "hf"
     model = object()
     assert isinstance(engine_for(model), HFEngine) and engine_for(model).model is model
 
 
 @pytest.mark.parametrize(("settings", "message"), [
-    ({"rollout_engine": "sglang"}, "unknown rollout_engine 'sglang'; choose one of: hf, vllm"),
+    ({"rollout_engine": "sglang"}, "unknown rollout_engine 'sglang'; choose one of: auto, hf, vllm"),
     ({"rollout_engine": "vllm", "vllm_kv_cache_gib": 0}, "--vllm-kv-cache-gib must be > 0, got 0"),
     ({"rollout_engine": "vllm", "vllm_cpu_weights": "onednn"},
      "unknown vllm_cpu_weights 'onednn'; choose one of: plain, packed"),
