@@ -2,9 +2,10 @@
 
 `COPES_FAILPOINT=name@n` sends SIGKILL to this process the n-th time the point `name` is passed (no cleanup, no
 flush — exactly what a preempted GPU or an OOM killer does); `name@n:SIGSTOP` (any signal's name) sends that signal
-instead, e.g. to hold a run still at a known point while a test acts on it from outside. `COPES_FAILPOINT_LOG=path` appends the name of every
-point passed to that file, so a test can count work done across killed and resumed processes (e.g. rollouts
-started). Unset, which is always the case outside those tests, a point costs two environment lookups.
+instead, e.g. to hold a run still at a known point while a test acts on it from outside.
+`COPES_FAILPOINT_LOG=path` appends the name of every point passed to that file, so a test can count work done
+across killed and resumed processes (e.g. rollouts started). Unset, which is always the case outside those tests,
+a point costs two environment lookups.
 """
 
 from __future__ import annotations

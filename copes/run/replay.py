@@ -11,6 +11,7 @@ one bit for bit, so a journal replayed on another backend or copes version fails
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 
 from copes.choices import PER_MEMBER_ALGORITHMS
 from copes.config.options import ConfigError, TrainConfig
+from copes.errors import UserError
 from copes.es.strategies.base import Strategy
 from copes.rollout.vllm.views import stored_tensors
 from copes.run import checkpoint as ckpt
@@ -78,8 +80,9 @@ def newest_checkpoint(run_dir: Path, run_id: str, steps_done: int) -> Checkpoint
             continue
         try:
             es_state, state = ckpt.load_checkpoint(folder)
-        except ConfigError as error:
-            tqdm.write(f"warning: skipping {folder}: {error}")
+        except UserError as error:  # a flipped byte, a missing file: the journal rebuilds the step anyway
+            tqdm.write(f"warning: {error}; skipping it (an older checkpoint or the journal rebuilds its weights)",
+                       file=sys.stderr)
             continue
         if state["step"] > steps_done:
             raise ConfigError(f"{run_dir}: checkpoint step {state['step']} is newer than the journal's last update "

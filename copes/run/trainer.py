@@ -283,6 +283,9 @@ class Trainer:
         again."""
         self.start_step = self.record.resume(path, self.model, self.strategy,
                                              progress=self.progress and self.is_main and sys.stderr.isatty())
+        every, done = self.cfg.checkpoint_every, self.start_step
+        if every and done and done % every == 0 and self.record.saved_step != done:
+            self.save(done)  # a crash cut this step's checkpoint short (or it was corrupt): the weights are here now
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
