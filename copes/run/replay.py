@@ -61,6 +61,13 @@ def replay_steps(strategy: Strategy, contents: JournalContents, first: int, last
                               f"{journaled!r}: it ran on another device or backend, or another copes version")
 
 
+def say_torn_tail(contents: JournalContents) -> None:
+    """One line when the journal ends in a record a crash cut short: what is used is its complete records only."""
+    if contents.torn:
+        tqdm.write(f"note: {contents.path} ends in a record cut short by a crash; using its complete records "
+                   f"({contents.steps_done} steps)", file=sys.stderr)
+
+
 @dataclass
 class Checkpoint:
     step: int
@@ -113,6 +120,8 @@ def resume_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, st
     must still be), replay every journaled update after it, and open the journal for appending (`writer`: rank 0)."""
     run_dir = Path(run_dir)
     contents = read_journal(run_dir)
+    if writer:
+        say_torn_tail(contents)
     check_same_run(run_dir, contents.header, cfg)
     check_same_model(run_dir, contents.header, model, strategy)
     check_same_data(run_dir, contents.header)
@@ -141,6 +150,7 @@ def replay_run(run_dir: str | Path, output: str | Path, *, step: int | None = No
 
     run_dir = Path(run_dir)
     contents = read_journal(run_dir)
+    say_torn_tail(contents)
     target = contents.steps_done if step is None else step
     if not 0 <= target <= contents.steps_done:
         raise ConfigError(f"--step {step} is outside the journal of {run_dir}, "

