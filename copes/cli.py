@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import os
@@ -202,25 +203,41 @@ def _interrupt(signum: int, _frame: Any) -> None:
     raise Interrupted(signum)
 
 
+# A disk full, a quota, a read-only or failing file system: the run stops, and resumes once the disk is fixed.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO}
+
+
 @contextlib.contextmanager
 def _resumable(output_dir: str, *, speaks: bool) -> Iterator[None]:
-    """SIGTERM and SIGINT, and a rank of this run that died, stop the run with one line saying how to resume it
-    (the journal holds every member scored so far) and no traceback; status 128 + the signal, or 1. `speaks` is
-    false in the ranks --workers started: their parent says it once."""
+    """SIGTERM and SIGINT, a rank of this run that died and a write the disk refused stop the run with one line
+    saying how to resume it (the journal holds every member scored so far) and no traceback; status 128 + the
+    signal, or 1. `speaks` is false in the ranks --workers started, whose parent says it once; an error only
+    rank 0 met (a failed write, a failed collective) rank 0 says."""
     from copes.run.distributed import DistributedError, RankDied
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _interrupt)
-    resume = f"copes-run --resume {Path(output_dir).resolve()}"
+    resume = f"continue this run with: copes-run --resume {Path(output_dir).resolve()}"
+    first_rank = os.environ.get("RANK", "0") == "0"
     try:
         yield
     except (Interrupted, KeyboardInterrupt) as stop:
         if speaks:
-            click.echo(f"\ninterrupted; continue this run with: {resume}", err=True)
+            click.echo(f"\ninterrupted; {resume}", err=True)
         sys.exit(128 + getattr(stop, "signum", signal.SIGINT))
-    except (DistributedError, RankDied) as failure:  # a rank died: the others see a failed collective
-        if speaks or (isinstance(failure, DistributedError) and os.environ.get("RANK") == "0"):
-            click.echo(f"error: {failure}" + (f"; continue this run with: {resume}" if speaks else ""), err=True)
+    except RankDied as failure:
+        click.echo(f"error: {failure}; {resume}", err=True)
+        sys.exit(1)
+    except DistributedError as failure:
+        if first_rank:
+            click.echo(f"error: {failure}; {resume}", err=True)
+        sys.exit(1)
+    except OSError as failure:
+        if failure.errno not in WRITE_ERRNOS:
+            raise
+        if first_rank:
+            where = f" writing {failure.filename}" if failure.filename else f" writing into {output_dir}"
+            click.echo(f"error: {failure.strerror}{where}; once it can be written, {resume}", err=True)
         sys.exit(1)
     finally:  # a second signal while exiting (the launcher stopping its ranks) ends the process without a word
         for signum in (signal.SIGTERM, signal.SIGINT):

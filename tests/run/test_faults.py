@@ -5,6 +5,7 @@ an uninterrupted run, bit for bit. docs/durable-run.md lists what the user sees 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -113,3 +114,51 @@ def test_a_torn_last_journal_record_is_said_by_replay(uninterrupted, tmp_path):
     [note] = result.stderr.splitlines()
     assert str(run / "journal") in note and "cut short" in note and "(2 steps)" in note
     assert result.stdout.startswith("replayed 2 steps")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB file system of its own (tmpfs; needs root, as CI has), unmounted afterwards."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def fill(disk: Path, leave_bytes: int) -> Path:
+    """A file taking all of `disk`'s free space but `leave_bytes`."""
+    filler = disk / "filler"
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    with filler.open("ab") as handle:
+        handle.write(b"\0" * max(free - leave_bytes, 0))
+    return filler
+
+
+@pytest.mark.integration
+def test_a_full_disk_stops_the_run_in_one_line_and_resume_ends_bitwise(uninterrupted, small_disk):
+    """The disk fills while step 2 runs: first with no byte left (a journal append fails), then, resumed, with room
+    for the journal but not for checkpoint 2. Each stops in one line naming the resume; once space is freed the
+    resume ends bitwise."""
+    run = small_disk / "run"
+    holder = copes_run_in_background(*STEPS, "--output-dir", str(run), env={"COPES_FAILPOINT": "member@6:SIGSTOP"})
+    try:
+        wait_until_stopped(holder.pid)
+        filler = fill(small_disk, leave_bytes=0)
+        holder.send_signal(signal.SIGCONT)
+        _, stderr = holder.communicate(timeout=120)
+    finally:
+        holder.kill()
+    assert 0 < holder.returncode < 128, stderr
+    [line] = assert_said_in_a_line_or_two(stderr.split("questions)", 1)[-1])  # after the run's own start lines
+    assert "No space left on device" in line and f"--resume {run}" in line
+    filler.unlink()
+    fill(small_disk, leave_bytes=64 << 10)  # the journal's records fit, checkpoint 2's 270 KB of weights do not
+    cut = copes_run(*STEPS, "--resume", str(run))
+    assert 0 < cut.returncode < 128, cut.stderr
+    [line] = assert_said_in_a_line_or_two(cut.stderr.split("questions)", 1)[-1])
+    assert "No space left on device" in line and "step-000002" in line and f"--resume {run}" in line
+    filler.unlink()
+    assert_resumes_to(uninterrupted, run)
