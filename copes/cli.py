@@ -228,9 +228,9 @@ def _resumable(output_dir: str, *, speaks: bool) -> Iterator[None]:
     except RankDied as failure:
         click.echo(f"error: {failure}; {resume}", err=True)
         sys.exit(1)
-    except DistributedError as failure:
+    except DistributedError as failure:  # under --workers, the parent then names the rank that died
         if first_rank:
-            click.echo(f"error: {failure}; {resume}", err=True)
+            click.echo(f"error: {failure}" + (f"; {resume}" if speaks else ""), err=True)
         sys.exit(1)
     except OSError as failure:
         if failure.errno not in WRITE_ERRNOS:

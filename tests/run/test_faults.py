@@ -41,8 +41,13 @@ def assert_resumes_to(uninterrupted: Path, run: Path, *flags: str) -> subprocess
     return resumed
 
 
+# What a run says on stderr as it starts, before any fault.
+START_LINES = ("memory plan ", "held-out accuracy before training")
+
+
 def assert_said_in_a_line_or_two(output: str) -> list[str]:
-    lines = [line for line in output.splitlines() if line.strip()]
+    """The lines said, past a run's start lines: one or two, no traceback."""
+    lines = [line for line in output.splitlines() if line.strip() and not line.startswith(START_LINES)]
     assert 1 <= len(lines) <= 2 and "Traceback" not in output, output
     return lines
 
@@ -152,13 +157,82 @@ def test_a_full_disk_stops_the_run_in_one_line_and_resume_ends_bitwise(uninterru
     finally:
         holder.kill()
     assert 0 < holder.returncode < 128, stderr
-    [line] = assert_said_in_a_line_or_two(stderr.split("questions)", 1)[-1])  # after the run's own start lines
+    [line] = assert_said_in_a_line_or_two(stderr)
     assert "No space left on device" in line and f"--resume {run}" in line
     filler.unlink()
     fill(small_disk, leave_bytes=64 << 10)  # the journal's records fit, checkpoint 2's 270 KB of weights do not
     cut = copes_run(*STEPS, "--resume", str(run))
     assert 0 < cut.returncode < 128, cut.stderr
-    [line] = assert_said_in_a_line_or_two(cut.stderr.split("questions)", 1)[-1])
+    [line] = assert_said_in_a_line_or_two(cut.stderr)
     assert "No space left on device" in line and "step-000002" in line and f"--resume {run}" in line
     filler.unlink()
+    assert_resumes_to(uninterrupted, run)
+
+
+def stopped_ranks(parent: subprocess.Popen, count: int = 2, timeout: float = 240) -> dict[int, int]:
+    """{rank: pid} of the ranks copes-run --workers started, once each stopped itself at its failpoint."""
+    deadline = time.monotonic() + timeout
+    while True:
+        children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+        ranks = {}
+        for pid in map(int, children):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_text().split("\0")
+            except OSError:  # a short-lived helper process, gone already
+                continue
+            rank = next((item[len("RANK="):] for item in environ if item.startswith("RANK=")), None)
+            if rank is not None:
+                ranks[int(rank)] = pid
+        if len(ranks) == count:
+            try:
+                for pid in ranks.values():
+                    wait_until_stopped(pid, timeout=max(deadline - time.monotonic(), 0.1))
+                return ranks
+            except AssertionError:
+                pass
+        assert time.monotonic() < deadline and parent.poll() is None, "the ranks never reached their failpoint"
+        time.sleep(0.2)
+
+
+def assert_gone(pids: list[int], within: float = 30) -> None:
+    deadline = time.monotonic() + within
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        assert time.monotonic() < deadline, f"a rank outlived its run by {within} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # two --workers 2 runs (six processes) and a resume: ~40 s on 2 cores
+def test_sigint_and_a_dead_rank_under_workers_say_how_to_resume(uninterrupted, tmp_path):
+    """SIGINT to copes-run --workers 2, then a rank killed in its resume: each ends in at most two lines with the
+    resume command, no traceback from any rank, every rank gone; the run then resumes (in one process) bitwise."""
+    run = tmp_path / "run"
+    workers = ["--workers", "2"]
+    parent = copes_run_in_background(*STEPS, *workers, "--output-dir", str(run),
+                                     env={"COPES_FAILPOINT": "member@3:SIGSTOP"})  # each rank, in step 2
+    try:
+        ranks = stopped_ranks(parent)
+        parent.send_signal(signal.SIGINT)
+        for pid in ranks.values():
+            os.kill(pid, signal.SIGCONT)
+        _, stderr = parent.communicate(timeout=120)
+    finally:
+        parent.kill()
+    assert parent.returncode == 128 + signal.SIGINT, stderr
+    assert f"copes-run --resume {run}" in stderr.splitlines()[-1] and "Traceback" not in stderr, stderr
+    assert_gone(list(ranks.values()))
+
+    parent = copes_run_in_background(*STEPS, *workers, "--resume", str(run),
+                                     env={"COPES_FAILPOINT": "member@1:SIGSTOP"})
+    try:
+        ranks = stopped_ranks(parent)
+        os.kill(ranks[1], signal.SIGKILL)
+        os.kill(ranks[0], signal.SIGCONT)
+        _, stderr = parent.communicate(timeout=120)
+    finally:
+        parent.kill()
+    assert 0 < parent.returncode < 128, stderr
+    lines = assert_said_in_a_line_or_two(stderr)
+    assert f"copes-run --resume {run}" in lines[-1] and "rank 1" in lines[-1], stderr
+    assert_gone(list(ranks.values()))
     assert_resumes_to(uninterrupted, run)
