@@ -125,6 +125,9 @@ class Trainer:
         self.record.journal.record_members(step + 1, dict(enumerate(gathered)))  # rank 0: the other ranks' members
         if sampling:
             self.sample_members_scored_before_a_resume(gathered)
+            if self.dist:  # every rank's best and worst reach rank 0, which writes the step's overall ones
+                for transcripts in gather_values(self.record.samples.extremes(gathered), step):
+                    self.record.samples.add_transcripts(transcripts)
             self.record.write_samples(step + 1, gathered)
         return self.strategy.apply_update(torch.stack(gathered))
 
