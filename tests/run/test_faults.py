@@ -55,8 +55,8 @@ def assert_said_in_a_line_or_two(output: str) -> list[str]:
 def wait_until_stopped(pid: int, timeout: float = 240) -> None:
     """Until the process stopped itself (a COPES_FAILPOINT ending in :SIGSTOP)."""
     deadline = time.monotonic() + timeout
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < deadline, f"process {pid} never reached its failpoint"
+    while (state := Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "T":
+        assert state != "Z" and time.monotonic() < deadline, f"process {pid} never reached its failpoint"
         time.sleep(0.2)
 
 
