@@ -47,6 +47,14 @@ def copes_run_in_background(*args: str, env: dict[str, str] | None = None) -> su
                             env={**os.environ, **(env or {})})
 
 
+def finished_run(tmp_path_factory: Any, *args: str) -> Path:
+    """A copes-run that ended normally, in a fresh folder: what faulted runs are compared with (module fixtures)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = copes_run(*args, "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
 def run_in_process(*args: str) -> click.testing.Result:
     """copes-run's command in this process through click's runner: for runs that stop before training starts."""
     from copes.cli import run_command

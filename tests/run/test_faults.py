@@ -18,6 +18,7 @@ from helpers.cli_runs import (
     copes_run,
     copes_run_in_background,
     final_weights,
+    finished_run,
     metrics_without_time,
     run_in_process,
 )
@@ -27,10 +28,7 @@ STEPS = ["--steps", "3", "--checkpoint-every", "1"]
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("uninterrupted")
-    result = copes_run(*STEPS, "--output-dir", str(out))
-    assert result.returncode == 0, result.stderr
-    return out
+    return finished_run(tmp_path_factory, *STEPS)
 
 
 def assert_resumes_to(uninterrupted: Path, run: Path, *flags: str) -> subprocess.CompletedProcess:
