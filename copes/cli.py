@@ -161,8 +161,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     from copes.run.record import claim_output_dir
 
     if not (launched_distributed() and launched_by_copes_run()):  # --workers ranks write where the parent claimed
-        cfg = claim_output_dir(cfg, resuming=bool(resume), may_move=not launched_distributed(),
-                               lock=os.environ.get("RANK", "0") == "0")  # torchrun's rank 0 holds the folder
+        cfg = claim_output_dir(cfg, resuming=bool(resume), may_move=not launched_distributed())
     if cfg.workers > 1 and launched_distributed() and not launched_by_copes_run():
         raise ConfigError("--workers starts its own ranks; under torchrun leave it at 1")
     # One process speaks for the run: copes-run itself, or rank 0 of a torchrun.

@@ -87,14 +87,14 @@ def lock_output_dir(folder: Path) -> None:
     _held_locks[folder] = descriptor
 
 
-def claim_output_dir(cfg: TrainConfig, *, resuming: bool, may_move: bool = True, lock: bool = True) -> TrainConfig:
+def claim_output_dir(cfg: TrainConfig, *, resuming: bool, may_move: bool = True) -> TrainConfig:
     """The config of a run about to start, its output folder made safe: no run destroys another. A fresh run into a
     folder holding one is refused in one line, except that the default folder moves on to the first free
     `runs/copes-N` (said on stderr; `may_move=False` where ranks could not agree on one) and that `--overwrite`
     deletes the earlier run's files first. A resume continues its own folder. The folder is locked for this process
-    (`lock_output_dir`; `lock=False` for ranks other than 0 of a torchrun, whose rank 0 holds it)."""
+    (`lock_output_dir`), except in a torchrun's ranks other than 0, which write nothing: rank 0 holds it."""
     out = Path(cfg.output_dir)
-    take_lock = lock_output_dir if lock else (lambda folder: None)
+    take_lock = lock_output_dir if os.environ.get("RANK", "0") == "0" else (lambda folder: None)
     if resuming or not holds_run(out):
         take_lock(out)
         return cfg
