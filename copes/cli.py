@@ -214,12 +214,13 @@ def _resumable(output_dir: str, *, speaks: bool) -> Iterator[None]:
     rank 0 met (a failed write, a failed collective) rank 0 says."""
     from copes.run.distributed import DistributedError, RankDied
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _interrupt)
+    handlers = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
     resume = f"continue this run with: copes-run --resume {Path(output_dir).resolve()}"
     first_rank = os.environ.get("RANK", "0") == "0"
+    stopping = True
     try:
         yield
+        stopping = False
     except (Interrupted, KeyboardInterrupt) as stop:
         if speaks:
             click.echo(f"\ninterrupted; {resume}", err=True)
@@ -238,9 +239,10 @@ def _resumable(output_dir: str, *, speaks: bool) -> Iterator[None]:
             where = f" writing {failure.filename}" if failure.filename else f" writing into {output_dir}"
             click.echo(f"error: {failure.strerror}{where}; once it can be written, {resume}", err=True)
         sys.exit(1)
-    finally:  # a second signal while exiting (the launcher stopping its ranks) ends the process without a word
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, signal.SIG_DFL)
+    finally:  # the caller's handlers again after a run (the command also runs inside other processes); while
+        # stopping, a second signal (the launcher ending its ranks) ends the process without a word
+        for signum, handler in handlers.items():
+            signal.signal(signum, signal.SIG_DFL if stopping else handler)
 
 
 @click.command(context_settings=COMMAND_SETTINGS)
