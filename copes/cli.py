@@ -6,12 +6,16 @@ A user's mistake prints one sentence and exits with status 2; `--debug` shows th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import functools
 import json
+import os
+import signal
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +23,7 @@ import click
 import yaml
 
 from copes.config.options import FIELD_NAMES, ConfigError, TrainConfig, build_config, config_with_preset, read_yaml
-from copes.errors import UserError
+from copes.errors import Interrupted, UserError
 
 USER_ERROR_STATUS = 2
 COMMAND_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}
@@ -139,8 +143,6 @@ def _run_as_workers(cfg: TrainConfig, resume: str | None, quiet: bool) -> int:
 def run_command(config_file: str | None, resume: str | None, quiet: bool, **flags: Any) -> None:
     """Post-train a causal LM with evolution strategies. With no arguments: the embedded tiny model on the
     synthetic arithmetic task with CoPES, on the CPU, in a few minutes."""
-    from copes.run.trainer import Trainer
-
     if resume:
         from copes.run.journal import resume_config
 
@@ -160,11 +162,19 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
 
     if not (launched_distributed() and launched_by_copes_run()):  # --workers ranks write where the parent claimed
         cfg = claim_output_dir(cfg, resuming=bool(resume), may_move=not launched_distributed())
-    if cfg.workers > 1:
-        if not launched_distributed():
+    if cfg.workers > 1 and launched_distributed() and not launched_by_copes_run():
+        raise ConfigError("--workers starts its own ranks; under torchrun leave it at 1")
+    # One process speaks for the run: copes-run itself, or rank 0 of a torchrun.
+    speaks = not (launched_distributed() and launched_by_copes_run()) and os.environ.get("RANK", "0") == "0"
+    with _resumable(cfg.output_dir, speaks=speaks):
+        if cfg.workers > 1 and not launched_distributed():
             sys.exit(_run_as_workers(cfg, resume, quiet))
-        if not launched_by_copes_run():
-            raise ConfigError("--workers starts its own ranks; under torchrun leave it at 1")
+        _train(cfg, resume, quiet)
+
+
+def _train(cfg: TrainConfig, resume: str | None, quiet: bool) -> None:
+    from copes.run.trainer import Trainer
+
     trainer = Trainer(cfg, progress=not quiet)
     if resume:
         trainer.resume(resume)
@@ -177,13 +187,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     budget = f" budget={cfg.budget_hours * 60:g}min" if cfg.budget_hours else ""  # the tiny models' presets set one
     say(f"{cfg.method} on {cfg.task_label}: N={cfg.population} K={cfg.num_subspaces} sigma={cfg.sigma} "
         f"lr={cfg.lr} model={cfg.model} device={trainer.device}{budget} -> {cfg.output_dir}")
-    try:
-        summary = trainer.train()
-    except KeyboardInterrupt:  # the journal holds every member scored so far: say how to go on, not "Aborted!"
-        if trainer.is_main:
-            click.echo(f"\ninterrupted; continue this run with: copes-run --resume {Path(cfg.output_dir).resolve()}",
-                       err=True)
-        sys.exit(130)
+    summary = trainer.train()
     before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
     if before is None or after is None:
         say(f"{summary['steps']} steps in {summary['wall_seconds']:.0f}s (no held-out evaluation); "
@@ -192,6 +196,53 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
     say(f"held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) "
                f"after {summary['steps']} steps in {summary['wall_seconds']:.0f}s; "
                f"summary: {Path(cfg.output_dir) / 'summary.json'}")
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+# A disk full, a quota, a read-only or failing file system: the run stops, and resumes once the disk is fixed.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO}
+
+
+@contextlib.contextmanager
+def _resumable(output_dir: str, *, speaks: bool) -> Iterator[None]:
+    """SIGTERM and SIGINT, a rank of this run that died and a write the disk refused stop the run with one line
+    saying how to resume it (the journal holds every member scored so far) and no traceback; status 128 + the
+    signal, or 1. `speaks` is false in the ranks --workers started, whose parent says it once; an error only
+    rank 0 met (a failed write, a failed collective) rank 0 says."""
+    from copes.run.distributed import DistributedError, RankDied
+
+    handlers = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
+    resume = f"continue this run with: copes-run --resume {Path(output_dir).resolve()}"
+    first_rank = os.environ.get("RANK", "0") == "0"
+    stopping = True
+    try:
+        yield
+        stopping = False
+    except (Interrupted, KeyboardInterrupt) as stop:
+        if speaks:
+            click.echo(f"\ninterrupted; {resume}", err=True)
+        sys.exit(128 + getattr(stop, "signum", signal.SIGINT))
+    except RankDied as failure:
+        click.echo(f"error: {failure}; {resume}", err=True)
+        sys.exit(1)
+    except DistributedError as failure:  # under --workers, the parent then names the rank that died
+        if first_rank:
+            click.echo(f"error: {failure}" + (f"; {resume}" if speaks else ""), err=True)
+        sys.exit(1)
+    except OSError as failure:
+        if failure.errno not in WRITE_ERRNOS:
+            raise
+        if first_rank:
+            where = f" writing {failure.filename}" if failure.filename else f" writing into {output_dir}"
+            click.echo(f"error: {failure.strerror}{where}; once it can be written, {resume}", err=True)
+        sys.exit(1)
+    finally:  # the caller's handlers again after a run (the command also runs inside other processes); while
+        # stopping, a second signal (the launcher ending its ranks) ends the process without a word
+        for signum, handler in handlers.items():
+            signal.signal(signum, signal.SIG_DFL if stopping else handler)
 
 
 @click.command(context_settings=COMMAND_SETTINGS)

@@ -9,3 +9,12 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A configuration the user must fix; the CLI prints it as one line and exits with status 2."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT stopped a run where it stood (its journal holds every member scored so far); a
+    BaseException like KeyboardInterrupt, so no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum

@@ -1,9 +1,11 @@
 """Named crash points for the kill -9 tests of crash safety.
 
 `COPES_FAILPOINT=name@n` sends SIGKILL to this process the n-th time the point `name` is passed (no cleanup, no
-flush — exactly what a preempted GPU or an OOM killer does). `COPES_FAILPOINT_LOG=path` appends the name of every
-point passed to that file, so a test can count work done across killed and resumed processes (e.g. rollouts
-started). Unset, which is always the case outside those tests, a point costs two environment lookups.
+flush — exactly what a preempted GPU or an OOM killer does); `name@n:SIGSTOP` (any signal's name) sends that signal
+instead, e.g. to hold a run still at a known point while a test acts on it from outside.
+`COPES_FAILPOINT_LOG=path` appends the name of every point passed to that file, so a test can count work done
+across killed and resumed processes (e.g. rollouts started). Unset, which is always the case outside those tests,
+a point costs two environment lookups.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def failpoint(name: str) -> None:
     target, _, hit = spec.partition("@")
     if target != name:
         return
+    hit, _, signal_name = hit.partition(":")
     _passes[name] += 1
     if _passes[name] == int(hit or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.Signals[signal_name or "SIGKILL"])

@@ -595,18 +595,28 @@ def _task_uses_tools(cfg: TrainConfig) -> bool:
         return True
 
 
+# A change whose saving rounds to 0.00 GiB is not worth naming.
+WORTH_NAMING_BYTES = GIB // 100
+
+
+def _size(size: int) -> str:
+    """GiB, or MiB below a hundredth of one: a refusal never says 0.00 GiB."""
+    return _gib(size) if size >= WORTH_NAMING_BYTES else f"{size / 2**20:.1f} MiB"
+
+
 def _advice(cfg: TrainConfig, plan: MemoryPlan, rows_fit: int) -> str:
-    """One line: what to change, the largest saving first."""
+    """One line: what the run needs, what the card leaves, and what to change, the largest saving first; never a
+    zero or negative figure."""
     if cfg.rollout_batch is not None and rows_fit >= 1:
         return (f"--rollout-batch {cfg.rollout_batch} needs {_gib(plan.peak_bytes())}; "
                 f"use --rollout-batch {rows_fit} or less")
     fixed = {line.what: line.bytes for line in plan.fixed}
-    over = plan.fixed_bytes + max(plan.update_bytes, plan.rollout_bytes(1)) - plan.usable_bytes
+    needed = plan.fixed_bytes + max(plan.update_bytes, plan.rollout_bytes(1))
     changes = []
     adam = fixed["fp32 masters"] + fixed["Adam moments"] + plan.update_bytes
-    if cfg.optimizer == "adam":
+    if cfg.optimizer == "adam" and adam >= WORTH_NAMING_BYTES:
         changes.append(f"--optimizer sgd (Adam's fp32 masters, moments and slices need {_gib(adam)})")
-    if fixed["restore backup"]:
+    if fixed["restore backup"] >= WORTH_NAMING_BYTES:
         changes.append(f"--restore host (frees the {_gib(fixed['restore backup'])} device backup)")
     if plan.dtype == "float32":
         changes.append("--dtype bfloat16 (halves weights and caches)")
@@ -616,7 +626,12 @@ def _advice(cfg: TrainConfig, plan: MemoryPlan, rows_fit: int) -> str:
     if room > 0:
         changes.append(f"--max-context-tokens {max(int(room / per_token) // 256 * 256, 256)} "
                        f"(now {plan.rollout.context_tokens} per row)")
-    return (f"needs {_gib(over)} more than the {_gib(plan.usable_bytes)} usable at 1 row per generate call; "
+    if plan.usable_bytes > 0:
+        has = f"{_size(needed - plan.usable_bytes)} more than the {_size(plan.usable_bytes)} usable"
+    else:
+        has = (f"and the {_gib(plan.card_bytes)} card leaves nothing usable after the "
+               f"{_gib(plan.card_bytes - plan.usable_bytes)} reserve")
+    return (f"needs {_size(needed)} at 1 row per generate call, {has}; "
             f"try {' or '.join(changes) if changes else 'a larger device'}")
 
 
@@ -628,7 +643,7 @@ def check_plan(cfg: TrainConfig, *, device: str, uses_tools: bool, say: Any = pr
     plan = plan_for(replace(cfg, device=device), uses_tools=uses_tools, model_path=resolve_model_path(cfg.model))
     say(plan.summary())
     if not plan.fits:
-        raise ConfigError(f"the run does not fit in {_gib(plan.usable_bytes)} usable on {plan.device}: {plan.advice} "
+        raise ConfigError(f"the run does not fit on {plan.device}: {plan.advice} "
                           "(copes-run --plan shows the table; --device-memory-gib states another card)")
     return plan
 

@@ -12,13 +12,16 @@ intact checkpoint that carries the journal's `run_id` in trainer_state.json, onl
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from copes.errors import UserError
@@ -96,10 +99,15 @@ def save_checkpoint(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     state_dict = views_on_their_own_storage(model) if isinstance(model, torch.nn.Module) else None
-    model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
-    tokenizer.save_pretrained(staging)
-    skeleton, tensors = flatten_state(es_state)
-    save_file(tensors, str(staging / "es_state.safetensors"))
+    try:
+        model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
+        tokenizer.save_pretrained(staging)
+        skeleton, tensors = flatten_state(es_state)
+        save_file(tensors, str(staging / "es_state.safetensors"))
+    except SafetensorError as error:  # its I/O errors arrive as text: "... (os error 28)"
+        code = re.search(r"os error (\d+)", str(error))
+        number = int(code.group(1)) if code else errno.EIO
+        raise OSError(number, os.strerror(number), str(staging)) from None
     (staging / "es_state.json").write_text(json.dumps(skeleton, indent=1), encoding="utf-8")
     (staging / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1), encoding="utf-8")
     failpoint("checkpoint")  # crash tests: die with a checkpoint half written

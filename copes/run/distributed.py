@@ -28,6 +28,10 @@ class DistributedError(RuntimeError):
     """Ranks disagree or one of them stopped answering."""
 
 
+class RankDied(RuntimeError):
+    """A rank that copes-run --workers started was killed by a signal."""
+
+
 @dataclass(frozen=True)
 class DistContext:
     rank: int
@@ -53,9 +57,20 @@ def launched_by_copes_run() -> bool:
 
 def launch_local_ranks(ranks: int, python_args: list[str]) -> int:
     """`python *python_args` as `ranks` ranks on this machine (torch's elastic launcher, rendezvous on localhost, no
-    restarts). Returns the exit status: 0, or that of the first rank that failed."""
+    restarts). Returns the exit status: 0, or that of the first rank that failed (which said why); raises RankDied
+    when that rank was killed by a signal, and Interrupted when this process got SIGTERM or SIGINT (the launcher
+    passes it on to every rank, which then ends quietly)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from copes.errors import Interrupted
+
+    for name in list(logging.root.manager.loggerDict):  # its shutdown notes (each module's logger has a level of
+        if name.startswith("torch.distributed.elastic"):  # its own): copes-run says what happened in one line
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=ranks, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
@@ -64,7 +79,12 @@ def launch_local_ranks(ranks: int, python_args: list[str]) -> int:
         elastic_launch(config, entrypoint=sys.executable)(*python_args)
     except ChildFailedError as error:
         _, failure = error.get_first_failure()
-        return failure.exitcode if failure.exitcode > 0 else 1  # below 0: killed by that signal
+        if failure.exitcode < 0:  # killed by that signal
+            raise RankDied(f"rank {failure.local_rank} of this run was killed by "
+                           f"{signal.Signals(-failure.exitcode).name}") from None
+        return failure.exitcode
+    except SignalException as stop:
+        raise Interrupted(stop.sigval) from None
     finally:
         os.environ.pop(WORKERS_ENV, None)
     return 0

@@ -8,10 +8,12 @@ step in progress are already journaled, the held-out evaluations so far, the new
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
 import sys
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,15 +56,50 @@ def holds_run(folder: Path) -> bool:
     return any((folder / name).exists() for name in RUN_FILES)
 
 
+LOCK_NAME = ".copes-lock"  # a dotfile: not among RUN_FILES, so --overwrite never deletes it
+_held_locks: dict[Path, int] = {}  # folder -> the open lock file's descriptor, held until this process ends
+
+
+def lock_output_dir(folder: Path) -> None:
+    """Make this process the only one writing `folder`, or refuse in one line naming the process that is. The
+    lock is an flock on `folder/.copes-lock`: the kernel drops it when its holder ends, however it ends, so a killed
+    run never blocks the next one, while a stopped one still holds it. Held until this process exits; taking it
+    again in the same process is a no-op."""
+    folder = folder.resolve()
+    if folder in _held_locks:
+        return
+    check_writable(folder)
+    path = folder / LOCK_NAME
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise ConfigError(f"output dir {folder} is not writable: {error.strerror or error}") from None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(descriptor, 512, 0).decode(errors="replace").strip() or "another process"
+        os.close(descriptor)
+        raise ConfigError(f"{folder} is in use by {holder}; wait for it to end, or choose another "
+                          "--output-dir") from None
+    os.ftruncate(descriptor, 0)
+    holder = f"{Path(sys.argv[0]).name} (pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')})"
+    os.pwrite(descriptor, f"{holder}\n".encode(), 0)
+    _held_locks[folder] = descriptor
+
+
 def claim_output_dir(cfg: TrainConfig, *, resuming: bool, may_move: bool = True) -> TrainConfig:
     """The config of a run about to start, its output folder made safe: no run destroys another. A fresh run into a
     folder holding one is refused in one line, except that the default folder moves on to the first free
     `runs/copes-N` (said on stderr; `may_move=False` where ranks could not agree on one) and that `--overwrite`
-    deletes the earlier run's files first. A resume continues its own folder."""
+    deletes the earlier run's files first. A resume continues its own folder. The folder is locked for this process
+    (`lock_output_dir`), except in a torchrun's ranks other than 0, which write nothing: rank 0 holds it."""
     out = Path(cfg.output_dir)
+    take_lock = lock_output_dir if os.environ.get("RANK", "0") == "0" else (lambda folder: None)
     if resuming or not holds_run(out):
+        take_lock(out)
         return cfg
     if cfg.overwrite:
+        take_lock(out)  # a live run's folder is refused before anything is deleted
         for name in RUN_FILES:
             path = out / name
             if path.is_dir():
@@ -75,6 +112,7 @@ def claim_output_dir(cfg: TrainConfig, *, resuming: bool, may_move: bool = True)
         number = 2
         while holds_run(fresh := Path(f"{DEFAULT_OUTPUT_DIR}-{number}")):
             number += 1
+        take_lock(fresh)
         print(f"note: {out} holds an earlier run; this run writes to {fresh} (--resume {out} continues that one, "
               "--output-dir chooses the folder)", file=sys.stderr, flush=True)
         return dataclasses.replace(cfg, output_dir=str(fresh))

@@ -11,6 +11,7 @@ one bit for bit, so a journal replayed on another backend or copes version fails
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 
 from copes.choices import PER_MEMBER_ALGORITHMS
 from copes.config.options import ConfigError, TrainConfig
+from copes.errors import UserError
 from copes.es.strategies.base import Strategy
 from copes.rollout.vllm.views import stored_tensors
 from copes.run import checkpoint as ckpt
@@ -59,6 +61,13 @@ def replay_steps(strategy: Strategy, contents: JournalContents, first: int, last
                               f"{journaled!r}: it ran on another device or backend, or another copes version")
 
 
+def say_torn_tail(contents: JournalContents) -> None:
+    """One line when the journal ends in a record a crash cut short: what is used is its complete records only."""
+    if contents.torn:
+        tqdm.write(f"note: {contents.path} ends in a record cut short by a crash; using its complete records "
+                   f"({contents.steps_done} steps)", file=sys.stderr)
+
+
 @dataclass
 class Checkpoint:
     step: int
@@ -78,8 +87,9 @@ def newest_checkpoint(run_dir: Path, run_id: str, steps_done: int) -> Checkpoint
             continue
         try:
             es_state, state = ckpt.load_checkpoint(folder)
-        except ConfigError as error:
-            tqdm.write(f"warning: skipping {folder}: {error}")
+        except UserError as error:  # a flipped byte, a missing file: the journal rebuilds the step anyway
+            tqdm.write(f"warning: {error}; skipping it (an older checkpoint or the journal rebuilds its weights)",
+                       file=sys.stderr)
             continue
         if state["step"] > steps_done:
             raise ConfigError(f"{run_dir}: checkpoint step {state['step']} is newer than the journal's last update "
@@ -110,6 +120,8 @@ def resume_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, st
     must still be), replay every journaled update after it, and open the journal for appending (`writer`: rank 0)."""
     run_dir = Path(run_dir)
     contents = read_journal(run_dir)
+    if writer:
+        say_torn_tail(contents)
     check_same_run(run_dir, contents.header, cfg)
     check_same_model(run_dir, contents.header, model, strategy)
     check_same_data(run_dir, contents.header)
@@ -138,6 +150,7 @@ def replay_run(run_dir: str | Path, output: str | Path, *, step: int | None = No
 
     run_dir = Path(run_dir)
     contents = read_journal(run_dir)
+    say_torn_tail(contents)
     target = contents.steps_done if step is None else step
     if not 0 <= target <= contents.steps_done:
         raise ConfigError(f"--step {step} is outside the journal of {run_dir}, "

@@ -55,8 +55,10 @@ def _finite_or_lowest(value: float) -> float:
 class RolloutSamples:
     """Collects the sample transcripts of the members rolled out in a sampling step and writes the best and worst.
 
-    `path=None` (ranks other than 0) collects nothing. On resume, records past `keep_through_step` are dropped: the
-    steps after the resume point are sampled again.
+    Under several ranks each collects its own members' transcripts and rank 0 (`path`; the others have None) adds
+    every rank's best and worst (`extremes`, `add_transcripts`) before writing, so the step's best and worst are
+    chosen over all members. On resume, records past `keep_through_step` are dropped: the steps after the resume
+    point are sampled again.
     """
 
     def __init__(self, path: Path | None, examples: Sequence[Example], every: int, *,
@@ -69,7 +71,7 @@ class RolloutSamples:
 
     def due(self, step: int) -> bool:
         """Whether step `step` (1-based) is sampled."""
-        return self.path is not None and bool(self.every and self.examples) and step % self.every == 0
+        return bool(self.every and self.examples) and step % self.every == 0
 
     def add(self, members: Sequence[int], per_member: Sequence[Sequence[tuple[Trajectory, Score]]]) -> None:
         for member, rows in zip(members, per_member, strict=True):
@@ -83,13 +85,26 @@ class RolloutSamples:
         extremes = {max(means, key=means.__getitem__), min(means, key=means.__getitem__)}
         return sorted(member for member in extremes if member not in self._transcripts)
 
+    def _means(self, rewards: Sequence[torch.Tensor]) -> dict[int, float]:
+        """Each collected member's mean reward; a member whose rewards were NaN/inf (scored as failures in the
+        update) ranks last."""
+        return {member: _finite_or_lowest(float(rewards[member].double().mean())) for member in self._transcripts}
+
+    def extremes(self, rewards: Sequence[torch.Tensor]) -> dict[int, list[dict[str, Any]]]:
+        """The transcripts of the best and the worst member collected here (another rank's share for rank 0)."""
+        means = self._means(rewards)
+        chosen = {max(means, key=means.__getitem__), min(means, key=means.__getitem__)} if means else set()
+        return {member: self._transcripts[member] for member in chosen}
+
+    def add_transcripts(self, transcripts: dict[int, list[dict[str, Any]]]) -> None:
+        self._transcripts.update(transcripts)
+
     def write(self, step: int, rewards: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
         """Append the best and worst collected member's transcripts for `step`, given every member's rewards;
-        returns the records written (none when no member was rolled out here)."""
-        # A member whose rewards were NaN/inf scored as failures in the update; here it ranks last.
-        means = {member: _finite_or_lowest(float(rewards[member].double().mean())) for member in self._transcripts}
+        returns the records written (none when no member was rolled out here, or with no `path`)."""
+        means = self._means(rewards)
         transcripts, self._transcripts = self._transcripts, {}
-        if not means:
+        if not means or self.path is None:
             return []
         best, worst = max(means, key=means.__getitem__), min(means, key=means.__getitem__)
         roles = [("best", best)] + ([("worst", worst)] if worst != best else [])

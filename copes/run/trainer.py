@@ -129,6 +129,9 @@ class Trainer:
         self.record.journal.record_members(step + 1, dict(enumerate(gathered)))  # rank 0: the other ranks' members
         if sampling:
             self.sample_members_scored_before_a_resume(gathered)
+            if self.dist:  # every rank's best and worst reach rank 0, which writes the step's overall ones
+                for transcripts in gather_values(self.record.samples.extremes(gathered), step):
+                    self.record.samples.add_transcripts(transcripts)
             self.record.write_samples(step + 1, gathered)
         return self.strategy.apply_update(torch.stack(gathered))
 
@@ -287,6 +290,9 @@ class Trainer:
         again."""
         self.start_step = self.record.resume(path, self.model, self.strategy,
                                              progress=self.progress and self.is_main and sys.stderr.isatty())
+        every, done = self.cfg.checkpoint_every, self.start_step
+        if every and done and done % every == 0 and self.record.saved_step != done:
+            self.save(done)  # a crash cut this step's checkpoint short (or it was corrupt): the weights are here now
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:

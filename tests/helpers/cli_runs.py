@@ -28,15 +28,31 @@ TORCHRUN_PAIR = [sys.executable, "-m", "torch.distributed.run", "--standalone", 
 INTEGRATION_TEST = True
 
 
-def copes_run(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
-              cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+def _command(args: tuple[str, ...]) -> list[str]:
     assert INTEGRATION_TEST, "this test starts copes-run: mark it @pytest.mark.integration (see docs/testing.md)"
     executable = shutil.which("copes-run")
     assert executable, "copes-run is not on PATH: pip install -e . first"
-    return subprocess.run(
-        [executable, "--model", MODEL, *FAST_FLAGS, *args], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})}, cwd=cwd,
-    )
+    return [executable, "--model", MODEL, *FAST_FLAGS, *args]
+
+
+def copes_run(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
+              cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+def copes_run_in_background(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """copes-run started and left running, for a test that acts on it from outside (signals, a second process)."""
+    return subprocess.Popen(_command(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def finished_run(tmp_path_factory: Any, *args: str) -> Path:
+    """A copes-run that ended normally, in a fresh folder: what faulted runs are compared with (module fixtures)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = copes_run(*args, "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
 
 
 def run_in_process(*args: str) -> click.testing.Result:

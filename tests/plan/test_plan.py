@@ -6,6 +6,7 @@ loading when they cannot fit."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,19 @@ def test_plan_names_what_to_change_when_adam_cannot_fit():
     assert not plan.fits and "--optimizer sgd" in plan.advice and "--restore host" in plan.advice
     small = plan_for(build_config({"model": str(QWEN35), "device_memory_gib": 24, "rollout_batch": 64, **PAPER}))
     assert not small.fits and "use --rollout-batch" in small.advice
+
+
+def test_the_refusal_of_a_card_too_small_states_no_zero_or_negative_figure():
+    """Issue #54: a 0.5 GiB card was "-0.53 GiB usable", and freeing "the 0.00 GiB device backup" was advised."""
+    from copes.errors import ConfigError
+    from copes.plan.memory import check_plan
+
+    cfg = build_config({"model": "tiny", "device_memory_gib": 0.5})
+    with pytest.raises(ConfigError) as refused:
+        check_plan(cfg, device="cuda", uses_tools=False, say=lambda line: None)
+    message = str(refused.value)
+    assert "needs " in message and "try " in message, message
+    assert not re.search(r"-\d", message) and "0.00 GiB" not in message, message
 
 
 @pytest.mark.integration

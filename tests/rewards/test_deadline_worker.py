@@ -96,3 +96,24 @@ def test_nan_and_inf_are_invalid_with_one_warning_and_per_reward_statistics(caps
     assert rewards.step_stats["nan"].mean is None and rewards.step_stats["nan"].last_error is not None
     rewards.new_step()
     assert rewards.step_stats["good"].rows == 0
+
+
+def _loud(completions, **columns):
+    print("x" * (1 << 20))  # a MiB a call, as a reward left printing its debugging would
+    return [1.0 for _ in completions]
+
+
+def test_a_reward_that_prints_a_mib_a_call_shows_only_the_cap_said_once(capfd: pytest.CaptureFixture) -> None:
+    """Issue #54: a loud reward flooded the terminal (16 MiB in 3 small steps): each call's output is capped."""
+    from copes.rewards.deadline import OUTPUT_CAP_BYTES
+    from copes.rewards.functions import WorkerReward
+
+    reward = WorkerReward(_loud)
+    try:
+        for _ in range(3):
+            assert reward(["a", "b"]) == [1.0, 1.0]
+    finally:
+        reward.stop()
+    err = capfd.readouterr().err
+    assert len(err) < 3 * OUTPUT_CAP_BYTES + 500, len(err)
+    assert err.count("only the first") == 1 and err.count("x" * OUTPUT_CAP_BYTES) == 3

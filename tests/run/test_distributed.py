@@ -135,11 +135,11 @@ def test_a_rank_that_never_answers_ends_in_a_clear_timeout():
 @pytest.mark.integration
 def test_two_processes_match_one_process_bitwise(algorithm, population, subspaces, launch, tmp_path):
     """The console script as 2 gloo ranks — under torchrun, or started by its own --workers 2 — ends with the
-    single-process weights and metrics (N=5: an uneven split)."""
+    single-process weights, metrics and samples (N=5: an uneven split)."""
     from helpers import cli_runs
 
     flags = ["--algorithm", algorithm, "--population", population, "--subspaces", subspaces, "--steps", "2",
-             "--checkpoint-every", "0", "--eval-size", "8"]
+             "--checkpoint-every", "0", "--eval-size", "8", "--sample-every", "1"]
     single = cli_runs.copes_run(*flags, "--output-dir", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr
     pair_flags = [*cli_runs.FAST_FLAGS, *flags, "--device", "cpu", "--output-dir", str(tmp_path / "pair")]
@@ -152,6 +152,8 @@ def test_two_processes_match_one_process_bitwise(algorithm, population, subspace
     assert pair.returncode == 0, pair.stderr[-3000:]
     cli_runs.assert_same_weights(cli_runs.final_weights(tmp_path / "pair"), cli_runs.final_weights(tmp_path / "single"))
     assert cli_runs.metrics_without_time(tmp_path / "pair") == cli_runs.metrics_without_time(tmp_path / "single")
+    # the step's best and worst over both ranks' members (issue #54: rank 0's alone were sampled)
+    assert (tmp_path / "pair" / "samples.jsonl").read_text() == (tmp_path / "single" / "samples.jsonl").read_text()
     if launch == "workers":  # rank 0 speaks for both, once
         assert pair.stdout.count("held-out accuracy") == 1, pair.stdout
 

@@ -50,7 +50,7 @@ def test_overwrite_deletes_only_the_earlier_runs_files(tmp_path: Path) -> None:
     _earlier_run(tmp_path)
     (tmp_path / "notes.txt").write_text("the user's own")
     claim_output_dir(build_config({"output_dir": str(tmp_path), "overwrite": True}), resuming=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".copes-lock", "notes.txt"]  # the lock: this process holds it
 
 
 @pytest.mark.integration

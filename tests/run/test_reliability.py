@@ -11,17 +11,14 @@ from transformers import AutoModelForCausalLM
 
 from copes.modeling import resolve_model_path
 
-from helpers.cli_runs import MODEL, assert_same_weights, copes_run, final_weights, metrics_without_time
+from helpers.cli_runs import MODEL, assert_same_weights, copes_run, final_weights, finished_run, metrics_without_time
 
 STEPS = ["--steps", "3", "--checkpoint-every", "1"]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("uninterrupted")
-    result = copes_run(*STEPS, "--output-dir", str(out))
-    assert result.returncode == 0, result.stderr
-    return out
+    return finished_run(tmp_path_factory, *STEPS)
 
 
 def _parameters_per_update() -> int:
