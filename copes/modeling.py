@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from copes.downloads import DOWNLOADABLE_MODELS, fetch_model
 from copes.errors import UserError
 from copes.extras import warn_missing_gpu_kernels
+from copes.gguf_io import is_gguf_path, load_gguf
 
 EMBEDDED_MODEL = "tiny"  # the name that picks the model shipped in copes/assets
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
@@ -27,10 +29,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model_path(model: str) -> str:
-    """An embedded model's name -> its folder; an existing folder must hold weights; anything else is a hub id."""
+    """An embedded model's name -> its folder; a downloadable model's name -> its cached file (fetched once per
+    machine); a `.gguf` path stays a file; an existing folder must hold weights; anything else is a hub id."""
     if model in EMBEDDED_MODELS:
         return str(EMBEDDED_MODELS[model])
+    if model in DOWNLOADABLE_MODELS:
+        return str(fetch_model(model))
     path = Path(model).expanduser()
+    if is_gguf_path(model):
+        return str(path)  # checked whole and readable when it loads (copes.gguf_io)
     looks_like_path = path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
     if not looks_like_path:
         return _hub_model_path(model)
@@ -93,10 +100,14 @@ def load_model(
     resolved_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, resolved_device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        # A GPU model loads straight onto its device: no host copy of the weights first (transformers' device_map).
-        placement = {} if resolved_device.type == "cpu" else {"device_map": {"": resolved_device}}
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placement)
+        if is_gguf_path(path):
+            lm, tokenizer = load_gguf(Path(path), torch_dtype)
+            lm.to(resolved_device)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            # A GPU model loads straight onto its device: no host copy of the weights first (transformers' device_map).
+            placement = {} if resolved_device.type == "cpu" else {"device_map": {"": resolved_device}}
+            lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placement)
     except OSError as error:
         raise UserError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
     tokenizer.padding_side = "left"

@@ -102,9 +102,17 @@ def config_dir(model: str) -> str:
 
 
 def load_config(model: str) -> Any:
-    """The model's text config (a vision-language checkpoint's `text_config`), through transformers' AutoConfig."""
+    """The model's text config (a vision-language checkpoint's `text_config`), through transformers' AutoConfig; a
+    GGUF file's (or a downloadable model's) from the file's metadata."""
     from transformers import AutoConfig
 
+    from copes.downloads import DOWNLOADABLE_MODELS
+    from copes.gguf_io import is_gguf_path, load_gguf_config
+
+    if model in DOWNLOADABLE_MODELS or is_gguf_path(model):
+        from copes.modeling import resolve_model_path  # fetches a downloadable model once per machine
+
+        return load_gguf_config(Path(resolve_model_path(model)).expanduser())
     try:
         config = AutoConfig.from_pretrained(config_dir(model))
     except (OSError, ValueError) as error:
