@@ -32,7 +32,7 @@ def is_gguf_path(model: str) -> bool:
     return model.lower().endswith(".gguf")
 
 
-def _read_gguf(path: Path) -> Any:
+def read_gguf(path: Path) -> Any:
     """The file's reader, after checking it is a whole GGUF that transformers can read; else one sentence."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
@@ -59,7 +59,7 @@ def load_gguf_config(path: Path) -> Any:
     `attention.key_length` and falls back to Qwen3Config's head_dim of 128; the file's own value is taken here."""
     from transformers import AutoConfig
 
-    reader = _read_gguf(path)
+    reader = read_gguf(path)
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ValueError, NotImplementedError, KeyError) as error:
