@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from copes.downloads import DOWNLOADABLE_MODELS, fetch_model
 from copes.errors import UserError
 from copes.extras import warn_missing_gpu_kernels
-from copes.gguf_io import is_gguf_path, load_gguf, read_gguf
+from copes.gguf_io import dense_folder, is_gguf_path, read_gguf
 
 EMBEDDED_MODEL = "tiny"  # the name that picks the model shipped in copes/assets
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
@@ -102,13 +102,11 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, resolved_device)
     try:
         if is_gguf_path(path):
-            lm, tokenizer = load_gguf(Path(path), torch_dtype)
-            lm.to(resolved_device)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            # A GPU model loads straight onto its device: no host copy of the weights first (transformers' device_map).
-            placement = {} if resolved_device.type == "cpu" else {"device_map": {"": resolved_device}}
-            lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placement)
+            path = str(dense_folder(Path(path)))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        # A GPU model loads straight onto its device: no host copy of the weights first (transformers' device_map).
+        placement = {} if resolved_device.type == "cpu" else {"device_map": {"": resolved_device}}
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placement)
     except OSError as error:
         raise UserError(f"cannot load model {model!r}: {str(error).splitlines()[0]}") from None
     tokenizer.padding_side = "left"

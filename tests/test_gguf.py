@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from copes.cli import eval_command, export_command
 from copes.errors import UserError
-from copes.gguf_io import export_gguf, load_gguf
+from copes.gguf_io import dense_folder, export_gguf, load_gguf
 from copes.modeling import EMBEDDED_MODELS, load_model, resolve_model_path
 from copes.run.journal import read_header
 
@@ -29,6 +29,14 @@ TEXT = "12+34=46\n7*8="
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids).logits.float()
+
+
+@pytest.fixture(autouse=True)
+def machine_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The per-machine cache (dense copies of GGUF files) in this session's temporary folder."""
+    folder = tmp_path_factory.getbasetemp() / "copes-cache"
+    monkeypatch.setenv("COPES_CACHE_DIR", str(folder))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +55,17 @@ def test_a_float32_gguf_reads_back_with_the_same_tokens_and_logits(tiny_gguf):
     assert tokenizer(TEXT, return_tensors="pt").input_ids.tolist() == ids.tolist()
     assert tokenizer.decode(ids[0]) == TEXT
     assert torch.equal(logits(model, ids), logits(reference, ids))
+    assert not getattr(model, "is_quantized", False)  # save_pretrained refuses what transformers marks quantised
+
+
+def test_a_gguf_is_converted_once_per_machine_and_loads_in_the_run_dtype(tiny_gguf, machine_cache):
     lm, _, _ = load_model(str(tiny_gguf), device="cpu", dtype="bfloat16")
     assert {p.dtype for p in lm.parameters()} == {torch.bfloat16}
-    assert not getattr(lm, "is_quantized", False)  # save_pretrained refuses a model transformers marks GGUF-quantised
+    folder = dense_folder(tiny_gguf)
+    assert folder.parent == machine_cache / "gguf" and (folder / "config.json").is_file()
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    load_model(str(tiny_gguf), device="cpu", dtype="float32")
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # read from the cache, not converted again
 
 
 @pytest.mark.parametrize("tensor_type, dtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
