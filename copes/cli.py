@@ -313,8 +313,11 @@ def export_command(checkpoint: str, output: str, tensor_type: str) -> None:
 @click.argument("name", type=click.Choice(sorted(DOWNLOADABLE_MODELS)))
 @user_errors
 def fetch_command(name: str) -> None:
-    """Fetch a pretrained model by name into this machine's cache (once) and print its path; `--model NAME` then
-    uses the cached file."""
+    """Fetch a pretrained model by name into this machine's cache (once), convert it to a dense folder there (once),
+    and print the file's path; `--model NAME` then uses the cached copies."""
     from copes.downloads import fetch_model
+    from copes.gguf_io import dense_folder
 
-    click.echo(fetch_model(name))
+    path = fetch_model(name)
+    dense_folder(path)
+    click.echo(path)
