@@ -164,3 +164,22 @@ def test_a_gguf_run_checkpoints_folders_exports_gguf_and_refuses_a_changed_file(
     refused = copes_run("--model", str(model_file), "--resume", str(run_dir), "--steps", "2")
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "changed since the run started" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_copes_train_and_es_trainer_take_a_gguf(tiny_gguf, tmp_path):
+    """The Python faces name the file as the command line does (both load through copes.modeling)."""
+    import copes
+    from copes import ESConfig, ESTrainer
+
+    from helpers.trl_twin import answer_column_reward, arithmetic_rows
+
+    summary = copes.train({"model": str(tiny_gguf), "population": 2, "subspaces": 1, "prompt_batch": 4, "steps": 1,
+                           "eval_size": 4, "max_new_tokens": 6, "checkpoint_every": 0, "cpu_threads": 1,
+                           "output_dir": str(tmp_path / "train")})
+    assert summary["steps"] == 1 and summary["config"]["model"] == str(tiny_gguf)
+    args = ESConfig(output_dir=str(tmp_path / "trl"), population_size=2, num_subspaces=1, prompt_batch_size=4,
+                    max_steps=1, max_completion_length=4, eval_size=0, seed=0)
+    trainer = ESTrainer(model=str(tiny_gguf), reward_funcs=[answer_column_reward], args=args,
+                        train_dataset=arithmetic_rows(False))
+    trainer.train()
+    assert trainer.state.global_step == 1
