@@ -269,9 +269,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"({result['steps']} steps)", flush=True)
     # The page shows every table's saved cells, whichever tables this invocation ran.
     saved = {table: found for table in TABLES if (found := saved_cells(settings, table))}
-    page = args.page or (settings.results / "paper-claims.md" if args.quick else PAGE)
-    if page == PAGE and settings.seeds < FULL["seeds"]:  # never replace the page's seeds with fewer
-        page = PAGE.with_name(f"paper-claims.{settings.seeds}-seeds.md")
+    page = page_to_write(args.page, settings, quick=args.quick)
+    if page.name != PAGE.name and page.parent == PAGE.parent:
         print(f"--seeds {settings.seeds} is fewer than the {FULL['seeds']} seeds {PAGE.name} holds: writing "
               f"{page} beside it instead", flush=True)
     page.parent.mkdir(parents=True, exist_ok=True)
@@ -279,6 +278,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         plot(saved, page.with_suffix(".png"))
     page.write_text(render(saved, settings, quick=args.quick, plot_name=page.with_suffix(".png").name))
     print(f"wrote {page} and its plot")
+
+
+def page_to_write(page: Path | None, settings: Settings, *, quick: bool) -> Path:
+    """--page, else the quick run's page in its cells' folder, else docs/paper-claims.md; a run with fewer seeds than
+    that page holds never replaces it, and writes paper-claims.N-seeds.md beside it."""
+    if page is not None:
+        return page
+    if quick:
+        return settings.results / "paper-claims.md"
+    return PAGE if settings.seeds >= FULL["seeds"] else PAGE.with_name(f"paper-claims.{settings.seeds}-seeds.md")
 
 
 def saved_cells(settings: Settings, table: str) -> list[dict[str, Any]]:
