@@ -8,6 +8,7 @@ llama.cpp's tensor names and layouts, which transformers reads back (`gguf_file=
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -96,13 +97,33 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
     return model, tokenizer
 
 
+@functools.cache
+def _digest(path: Path, size: int, modified_ns: int) -> str:
+    return sha256_of(path)
+
+
+def cached_folder(path: Path) -> Path:
+    """Where the dense copy of the GGUF `path` lives in this machine's cache (keyed by its SHA-256, hashed once per
+    process while the file is unchanged)."""
+    stat = path.stat()
+    return cache_dir() / "gguf" / _digest(path.resolve(), stat.st_size, stat.st_mtime_ns)[:32]
+
+
+def check_gguf(path: Path) -> None:
+    """`read_gguf`'s checks, skipped for a file whose dense copy is cached (it passed them when converted): parsing
+    SmolLM2's vocabulary through gguf's reader took 5-19 s, and a run names its model several times."""
+    if not path.is_file():
+        raise UserError(f"model file {path} does not exist")
+    if not (cached_folder(path) / "config.json").is_file():
+        read_gguf(path)
+
+
 def dense_folder(path: Path) -> Path:
     """The GGUF as a dense float32 model folder (config, safetensors, tokenizer with its chat template), converted
-    once per machine into the cache, keyed by the file's SHA-256: reading a GGUF through transformers parses its
-    whole vocabulary in Python twice (config, then tokenizer), 30-100 s for SmolLM2 on two busy cores, against ~1 s
-    for the folder."""
-    read_gguf(path)
-    folder = cache_dir() / "gguf" / sha256_of(path)[:32]
+    once per machine into the cache: reading a GGUF through transformers parses its whole vocabulary in Python twice
+    (config, then tokenizer), 30-100 s for SmolLM2 on two busy cores, against ~1 s for the folder."""
+    check_gguf(path)
+    folder = cached_folder(path)
     if (folder / "config.json").is_file():
         return folder
     model, tokenizer = load_gguf(path, torch.float32)

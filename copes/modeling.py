@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from copes.downloads import DOWNLOADABLE_MODELS, fetch_model
 from copes.errors import UserError
 from copes.extras import warn_missing_gpu_kernels
-from copes.gguf_io import dense_folder, is_gguf_path, read_gguf
+from copes.gguf_io import check_gguf, dense_folder, is_gguf_path
 
 EMBEDDED_MODEL = "tiny"  # the name that picks the model shipped in copes/assets
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
@@ -37,7 +37,7 @@ def resolve_model_path(model: str) -> str:
         return str(fetch_model(model))
     path = Path(model).expanduser()
     if is_gguf_path(model):
-        read_gguf(path)  # whole, GGUF, an architecture transformers reads: else one sentence, before anything loads
+        check_gguf(path)  # whole, GGUF, an architecture transformers reads: else one sentence, before anything loads
         return str(path)
     looks_like_path = path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
     if not looks_like_path:
