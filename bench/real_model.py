@@ -41,9 +41,30 @@ BUDGETS = ("equal rollouts", "equal wall clock")
 PAPER_SHARE = {"CoPES (K=4)": "92%", "ES (K=1)": "67%"}  # of GRPO's gain, the paper's Qwen 4B figures
 
 
+# The task where SmolLM2-135M-Instruct starts in the middle (docs/real-model.md: 43.8% of 48 held-out questions,
+# where every built-in task measured gave 0%): a + b for a, b in 0..30 through its chat template, one committed
+# answer paid by the built-in math reward. 200 held-out pairs, the other 761 to train on.
+CHAT_SUMS = "chat-sums"
+
+
+def chat_sum_files(folder: Path) -> tuple[Path, Path]:
+    """(train, eval) JSONL files of the chat sums task, written once (the same rows every time: seed 0)."""
+    import random
+
+    train, held_out = folder / "train.jsonl", folder / "eval.jsonl"
+    if not held_out.is_file():
+        pairs = [(a, b) for a in range(31) for b in range(31)]
+        random.Random(0).shuffle(pairs)
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, rows in ((held_out, pairs[:200]), (train, pairs[200:])):
+            path.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}? Put the final answer in \\boxed{{}}.",
+                                                "answer": str(a + b)}) + "\n" for a, b in rows), encoding="utf-8")
+    return train, held_out
+
+
 @dataclass(frozen=True)
 class Settings:
-    task: str = "gsm8k"
+    task: str = CHAT_SUMS
     seeds: int = 5
     steps: int = 8  # equal rollouts: ES steps per run
     budget_s: float = 1800.0  # equal wall clock: CPU seconds of training per run
@@ -59,9 +80,16 @@ def cell_path(results: Path, budget: str, method: str, seed: int) -> Path:
     return results / budget.replace(" ", "_") / f"{slug}__seed{seed}.json"
 
 
-def job_for(settings: Settings, budget: str, method: str, seed: int) -> Job:
+def task_overrides(settings: Settings, results: Path) -> dict[str, Any]:
+    if settings.task != CHAT_SUMS:
+        return {"task": settings.task}
+    train, held_out = chat_sum_files(results / CHAT_SUMS)
+    return {"task": str(train), "task_options": {"eval_file": str(held_out), "chat": True}, "reward": ["math"]}
+
+
+def job_for(settings: Settings, results: Path, budget: str, method: str, seed: int) -> Job:
     race_method, own = RACE_METHOD[method]
-    overrides = {**own, "task": settings.task, "tools": False, "population": settings.population,
+    overrides = {**own, **task_overrides(settings, results), "tools": False, "population": settings.population,
                  "prompt_batch": settings.prompt_batch, "max_new_tokens": settings.max_new_tokens,
                  "dtype": "float32", "budget_hours": None}
     equal_rollouts = budget == "equal rollouts"
@@ -84,7 +112,7 @@ def run_cell(settings: Settings, results: Path, budget: str, method: str, seed: 
     if path.is_file():
         return json.loads(path.read_text())
     with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:  # peak memory of this run alone
-        measured = pool.apply(measure, (job_for(settings, budget, method, seed),))
+        measured = pool.apply(measure, (job_for(settings, results, budget, method, seed),))
     result = {"method": method, "budget": budget, "seed": seed, "settings": asdict(settings), **measured,
               "provenance": run_provenance(seed)}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,6 +124,11 @@ def cells(methods: Sequence[str], budgets: Sequence[str]) -> list[tuple[str, str
     """GRPO's generations are not ES member rollouts: it races at equal wall clock only."""
     return [(budget, method) for budget in budgets for method in methods
             if method != GRPO or budget == "equal wall clock"]
+
+
+def saved_cells(results: Path) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text()) for budget in BUDGETS
+            for path in sorted((results / budget.replace(" ", "_")).glob("*.json"))]
 
 
 def _fmt(mean: float, half: float) -> str:
@@ -151,7 +184,7 @@ def results_section(saved: list[dict[str, Any]]) -> list[str]:
 
 
 def write_page(results: Path) -> None:
-    saved = [json.loads(path.read_text()) for path in sorted(results.glob("*/*.json"))]
+    saved = saved_cells(results)
     page = PAGE.read_text(encoding="utf-8")
     head, _, rest = page.partition(RESULTS_MARK)
     _, _, tail = rest.partition(END_MARK)
