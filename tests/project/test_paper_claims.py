@@ -107,3 +107,15 @@ def test_the_real_model_page_rows_shares_and_corrected_comparisons():
     assert "| GRPO (TRL) | 3 | 20.0 | 29.0 | +9.0 ± " in page and "| CoPES (K=4) | 0 | not run |" in page
     assert "CoPES (K=4): 56% (paper: 92%)" in page and "ES (K=1): 33% (paper: 67%)" in page
     assert "| CoPES (K=4) − ES (K=1), equal wall clock | 3 | +2.0 ± 0.0 |" in page and "Holm" in page
+
+
+def test_the_chat_sums_files_are_fixed_disjoint_and_cover_every_pair(tmp_path):
+    import real_model
+
+    train, held_out = real_model.chat_sum_files(tmp_path / "a")
+    rows = [json.loads(line) for path in (train, held_out) for line in path.read_text().splitlines()]
+    assert len(rows) == 31 * 31 and len(held_out.read_text().splitlines()) == 200
+    assert len({row["prompt"] for row in rows}) == len(rows)
+    first_held_out = rows[-200]
+    assert first_held_out == {"prompt": "What is 21 + 28? Put the final answer in \\boxed{}.", "answer": "49"}
+    assert real_model.chat_sum_files(tmp_path / "b")[1].read_bytes() == held_out.read_bytes()
