@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import resource
 import statistics
@@ -132,13 +133,14 @@ def saved_cells(results: Path) -> list[dict[str, Any]]:
 
 
 def _fmt(mean: float, half: float) -> str:
-    return f"{mean:+.1f} ± {half:.1f}"
+    return f"{mean:+.1f} (one seed: no interval)" if math.isnan(half) else f"{mean:+.1f} ± {half:.1f}"
 
 
 def results_section(saved: list[dict[str, Any]]) -> list[str]:
     """Every method's row in each budget ("not run" where no cell is saved yet), the shares of GRPO's gain, and the
     paired comparisons with CoPES, Holm-corrected together."""
-    out = []
+    settings = sorted({json.dumps(r["settings"], sort_keys=True) for r in saved})
+    out = [f"Settings of the saved cells: {', '.join(settings) if settings else 'none yet'}.", ""]
     comparisons = []
     for budget in BUDGETS:
         by_method = {m: {r["seed"]: r for r in saved if r["budget"] == budget and r["method"] == m} for m in METHODS}

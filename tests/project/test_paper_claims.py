@@ -98,13 +98,14 @@ def test_the_real_model_page_rows_shares_and_corrected_comparisons():
 
     def cell(method, budget, seed, gain):
         return {"method": method, "budget": budget, "seed": seed, "before": 0.2, "after": 0.2 + gain / 100,
-                "gain_points": gain, "steps": 4, "cpu_seconds": 40.0, "peak_rss_gib": 1.5}
+                "gain_points": gain, "steps": 4, "cpu_seconds": 40.0, "peak_rss_gib": 1.5, "settings": {"steps": 4}}
 
     saved = [cell(method, "equal wall clock", seed, gain + seed)
              for method, gain in (("CoPES (K=4)", 4.0), ("ES (K=1)", 2.0), ("EGGROLL", 1.0), (paper_claims.GRPO, 8.0))
              for seed in range(3)]
     page = "\n".join(real_model.results_section(saved))
     assert "| GRPO (TRL) | 3 | 20.0 | 29.0 | +9.0 ± " in page and "| CoPES (K=4) | 0 | not run |" in page
+    assert 'Settings of the saved cells: {"steps": 4}.' in page
     assert "CoPES (K=4): 56% (paper: 92%)" in page and "ES (K=1): 33% (paper: 67%)" in page
     assert "| CoPES (K=4) − ES (K=1), equal wall clock | 3 | +2.0 ± 0.0 |" in page and "Holm" in page
 
