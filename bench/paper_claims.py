@@ -129,11 +129,12 @@ def run_cell(settings: Settings, table: str, budget: str, config: str, seed: int
         job = Job(method, seed, None, math.inf if equal_evaluations else settings.budget_s, 1, settings.eval_size,
                   tuple(sorted(overrides.items())), max_steps=settings.steps if equal_evaluations else None,
                   model=model)
+    provenance = run_provenance(seed)  # the commit the run started from
     curve = run_job(job)
     result = {"config": config, "budget": budget, "seed": seed, "steps": curve.steps,
               "before": curve.accuracies[0], "after": curve.accuracies[-1], "gain_points": 100 * curve.gain,
               "cpu_seconds": curve.seconds[-1], "wall_seconds": curve.wall_seconds[-1],
-              "provenance": run_provenance(seed)}
+              "provenance": provenance}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))
     return result

@@ -112,10 +112,11 @@ def run_cell(settings: Settings, results: Path, budget: str, method: str, seed: 
     path = cell_path(results, budget, method, seed)
     if path.is_file():
         return json.loads(path.read_text())
+    provenance = run_provenance(seed)  # the commit the run started from
     with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:  # peak memory of this run alone
         measured = pool.apply(measure, (job_for(settings, results, budget, method, seed),))
     result = {"method": method, "budget": budget, "seed": seed, "settings": asdict(settings), **measured,
-              "provenance": run_provenance(seed)}
+              "provenance": provenance}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return result
