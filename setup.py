@@ -31,6 +31,7 @@ setup(
         "math-verify>=0.7",
         "bm25s>=0.2",
         "datasets>=3.0",
+        "gguf>=0.17",  # --model FILE.gguf (transformers reads it through this package) and copes-export
     ],
     extras_require={
         # Triton ships with CUDA builds of torch; on CPU it only serves the interpreter-mode kernel tests.
@@ -60,6 +61,8 @@ setup(
             "copes-eval=copes.cli:eval_command",
             "copes-bench=copes.cli:bench_command",
             "copes-replay=copes.cli:replay_command",
+            "copes-export=copes.cli:export_command",
+            "copes-fetch=copes.cli:fetch_command",
         ]
     },
     classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],

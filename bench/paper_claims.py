@@ -21,6 +21,7 @@ Memory against context comes from bench/memory_context.py's CSV (the page quotes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -34,7 +35,8 @@ from typing import Any
 
 from vs_grpo import GRPO, Job, run_job
 
-from common.harness import RESULTS_DIR, worker_pool
+from common.harness import RESULTS_DIR, run_provenance, worker_pool
+from common.stats import holm, interval, paired, sign_flip_floor, sign_flip_p
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "paper-claims.md"
@@ -127,10 +129,12 @@ def run_cell(settings: Settings, table: str, budget: str, config: str, seed: int
         job = Job(method, seed, None, math.inf if equal_evaluations else settings.budget_s, 1, settings.eval_size,
                   tuple(sorted(overrides.items())), max_steps=settings.steps if equal_evaluations else None,
                   model=model)
+    provenance = run_provenance(seed)  # the commit the run started from
     curve = run_job(job)
     result = {"config": config, "budget": budget, "seed": seed, "steps": curve.steps,
               "before": curve.accuracies[0], "after": curve.accuracies[-1], "gain_points": 100 * curve.gain,
-              "cpu_seconds": curve.seconds[-1], "wall_seconds": curve.wall_seconds[-1]}
+              "cpu_seconds": curve.seconds[-1], "wall_seconds": curve.wall_seconds[-1],
+              "provenance": provenance}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))
     return result
@@ -149,42 +153,62 @@ def run_cells(settings: Settings, todo: Sequence[tuple[str, str, str, int]], wor
         yield from pool.imap(functools.partial(_run_packed, settings), todo, chunksize=1)
 
 
-def interval(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% t interval."""
-    from scipy import stats
-
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, math.nan
-    return mean, stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-
-
-def paired(first: Sequence[float], second: Sequence[float]) -> tuple[float, float, float]:
-    """Mean paired difference, its 95% half-width and the paired t-test's two-sided p-value."""
-    from scipy import stats
-
-    differences = [a - b for a, b in zip(first, second)]
-    mean, half = interval(differences)
-    p = stats.ttest_rel(first, second).pvalue if len(differences) > 1 and len(set(differences)) > 1 else math.nan
-    return mean, half, float(p)
-
-
 def _fmt(mean: float, half: float) -> str:
     return f"{mean:+.2f} ± {half:.2f}"
 
 
-def verdict(mean: float, half: float, expected_sign: int) -> str:
-    """`expected_sign`: the sign of the difference the paper reports (0: no claim)."""
+def verdict(mean: float, corrected_p: float, expected_sign: int) -> str:
+    """From the Holm-corrected p-value of the paired t-test alone; `expected_sign`: the sign of the difference the
+    paper reports (0: no claim)."""
     if expected_sign == 0:
         return "no claim (beside it)"
-    if math.isnan(half):
+    if math.isnan(corrected_p):
         return "not testable (one seed)"
-    if abs(mean) <= half:
-        return "not reproduced: not separated at 95%"
+    if corrected_p >= 0.05:
+        return "not reproduced: not separated (Holm-corrected p ≥ 0.05)"
     return "reproduced" if (mean > 0) == (expected_sign > 0) else "not reproduced: the opposite, separated"
 
 
-def tables(results: list[dict[str, Any]], settings: Settings) -> list[str]:
+@dataclass(frozen=True)
+class Test:
+    """One paired comparison the page makes, with its p-values raw and Holm-corrected over the whole page."""
+
+    mean: float
+    half: float
+    seeds: int
+    t_p: float
+    flip_p: float
+    t_holm: float = math.nan
+    flip_holm: float = math.nan
+
+    def cells(self) -> str:
+        return (f"{_fmt(self.mean, self.half)} | {self.t_p:.3f} / {self.t_holm:.3f} | "
+                f"{self.flip_p:.3f} / {self.flip_holm:.3f}")
+
+
+def page_tests(results: dict[str, list[dict[str, Any]]]) -> dict[tuple[str, str, str], Test]:
+    """Every (table, budget, claim) comparison on the page, Holm-corrected as one family (t-tests and sign-flip
+    tests each)."""
+    raw = {}
+    for table, cells in results.items():
+        for budget in BUDGETS:
+            gains = {c: {r["seed"]: r["gain_points"] for r in cells if r["budget"] == budget and r["config"] == c}
+                     for c in dict.fromkeys(r["config"] for r in cells)}
+            for claim, config, baseline, _, _ in COMPARISONS:
+                seeds = sorted(set(gains.get(config, {})) & set(gains.get(baseline, {})))
+                if not seeds:
+                    continue
+                first, second = [gains[config][s] for s in seeds], [gains[baseline][s] for s in seeds]
+                mean, half, p = paired(first, second)
+                raw[table, budget, claim] = Test(mean, half, len(seeds), p,
+                                                 sign_flip_p([a - b for a, b in zip(first, second)]))
+    t_holm, flip_holm = holm([t.t_p for t in raw.values()]), holm([t.flip_p for t in raw.values()])
+    return {key: dataclasses.replace(test, t_holm=a, flip_holm=b)
+            for (key, test), a, b in zip(raw.items(), t_holm, flip_holm)}
+
+
+def tables(table: str, results: list[dict[str, Any]], settings: Settings,
+           tests: dict[tuple[str, str, str], Test]) -> list[str]:
     out = []
     for budget in BUDGETS:
         cells = [r for r in results if r["budget"] == budget]
@@ -200,15 +224,13 @@ def tables(results: list[dict[str, Any]], settings: Settings) -> list[str]:
             mean, half = interval(list(by_seed.values()))
             steps = statistics.fmean(r["steps"] for r in cells if r["config"] == config)
             out.append(f"| {config} | {len(by_seed)} | {_fmt(mean, half)} | {steps:.1f} |")
-        out += ["", "| comparison (paired by seed) | difference (points), mean ± 95% CI | paired t-test p | verdict |",
-                "|---|---|---|---|"]
+        out += ["", "| comparison (paired by seed) | difference (points), mean ± 95% CI | paired t-test p: raw / Holm "
+                "| sign-flip p: raw / Holm | verdict |", "|---|---|---|---|---|"]
         for claim, config, baseline, sign, _ in COMPARISONS:
-            if config not in gains or baseline not in gains:
-                continue
-            seeds = sorted(set(gains[config]) & set(gains[baseline]))
-            mean, half, p = paired([gains[config][s] for s in seeds], [gains[baseline][s] for s in seeds])
-            out.append(f"| {claim}: {config} − {baseline} ({len(seeds)} seeds) | {_fmt(mean, half)} | {p:.3f} | "
-                       f"{verdict(mean, half, sign)} |")
+            test = tests.get((table, budget, claim))
+            if test is not None:
+                out.append(f"| {claim}: {config} − {baseline} ({test.seeds} seeds) | {test.cells()} | "
+                           f"{verdict(test.mean, test.t_holm, sign)} |")
         out.append("")
     return out
 
@@ -248,12 +270,25 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"({result['steps']} steps)", flush=True)
     # The page shows every table's saved cells, whichever tables this invocation ran.
     saved = {table: found for table in TABLES if (found := saved_cells(settings, table))}
-    page = args.page or (settings.results / "paper-claims.md" if args.quick else PAGE)
+    page = page_to_write(args.page, settings, quick=args.quick)
+    if page.name != PAGE.name and page.parent == PAGE.parent:
+        print(f"--seeds {settings.seeds} is fewer than the {FULL['seeds']} seeds {PAGE.name} holds: writing "
+              f"{page} beside it instead", flush=True)
     page.parent.mkdir(parents=True, exist_ok=True)
     if saved:
         plot(saved, page.with_suffix(".png"))
     page.write_text(render(saved, settings, quick=args.quick, plot_name=page.with_suffix(".png").name))
     print(f"wrote {page} and its plot")
+
+
+def page_to_write(page: Path | None, settings: Settings, *, quick: bool) -> Path:
+    """--page, else the quick run's page in its cells' folder, else docs/paper-claims.md; a run with fewer seeds than
+    that page holds never replaces it, and writes paper-claims.N-seeds.md beside it."""
+    if page is not None:
+        return page
+    if quick:
+        return settings.results / "paper-claims.md"
+    return PAGE if settings.seeds >= FULL["seeds"] else PAGE.with_name(f"paper-claims.{settings.seeds}-seeds.md")
 
 
 def saved_cells(settings: Settings, table: str) -> list[dict[str, Any]]:
@@ -269,23 +304,20 @@ def cells(budgets: Sequence[str], configs: Sequence[str]) -> list[tuple[str, str
             if config != GRPO or budget == "equal wall clock"]
 
 
-def claim_rows(results: list[dict[str, Any]]) -> list[str]:
-    """Each claim: the paper's words, our paired difference in each budget, the verdict at equal evaluations."""
+def claim_rows(table: str, tests: dict[tuple[str, str, str], Test]) -> list[str]:
+    """Each claim: the paper's words, our paired difference in each budget, the verdict at equal evaluations (from
+    the Holm-corrected t-test)."""
     out = ["| claim | the paper | ours, equal evaluations | ours, equal wall clock | verdict (equal evaluations) |",
            "|---|---|---|---|---|"]
     for claim, config, baseline, sign, paper in COMPARISONS:
-        cells, verdict_text = [], "not run"
+        cells = []
         for budget in BUDGETS:
-            gains = {c: {r["seed"]: r["gain_points"] for r in results if r["budget"] == budget and r["config"] == c}
-                     for c in (config, baseline)}
-            seeds = sorted(set(gains[config]) & set(gains[baseline]))
-            if not seeds:
-                cells.append("not run")
-                continue
-            mean, half, p = paired([gains[config][s] for s in seeds], [gains[baseline][s] for s in seeds])
-            cells.append(f"{_fmt(mean, half)} points, p = {p:.2f} ({len(seeds)} seeds)")
-            if budget == BUDGETS[0]:
-                verdict_text = verdict(mean, half, sign)
+            test = tests.get((table, budget, claim))
+            cells.append("not run" if test is None else
+                         f"{_fmt(test.mean, test.half)} points, p = {test.t_p:.2f} (Holm {test.t_holm:.2f}; "
+                         f"sign-flip {test.flip_p:.2f}, Holm {test.flip_holm:.2f}; {test.seeds} seeds)")
+        first = tests.get((table, BUDGETS[0], claim))
+        verdict_text = "not run" if first is None else verdict(first.mean, first.t_holm, sign)
         out.append(f"| {claim} ({config} − {baseline}) | {paper} | {cells[0]} | {cells[1]} | {verdict_text} |")
     return out
 
@@ -483,17 +515,29 @@ def render(results: dict[str, list[dict[str, Any]]], settings: Settings, *, quic
              f"{settings.steps} steps, equal wall clock = {settings.budget_s:g} CPU seconds of training. Tables:", "",
              *ran, "", f"Memory: measured at {measured_contexts()} tokens of context on reduced-width Qwen3.5 and "
              "Qwen3, planned for Qwen3.5-4B at 8K / 32K / 128K.", "",
-             *(QUICK_WARNING if quick else []), *NOTES, "", "## The claims", ""]
-    for table, cells in results.items():
-        lines += [f"### {about[table]}", "", *claim_rows(cells), ""]
+             *(QUICK_WARNING if quick else []), *NOTES, "", *statistics_note(results), "", "## The claims", ""]
+    tests = page_tests(results)
+    for table in results:
+        lines += [f"### {about[table]}", "", *claim_rows(table, tests), ""]
     lines += ["## The ablation tables", "", f"![each configuration's gain, table by table]({plot_name})", ""]
     for table, cells in results.items():
-        lines += [f"### {about[table]}", "", *tables(cells, settings)]
+        lines += [f"### {about[table]}", "", *tables(table, cells, settings, tests)]
     lines += ["## Beside GRPO at equal wall clock (bench/vs_grpo.py's race)", ""]
     for table, cells in results.items():
         lines += [f"### {about[table]}", "", *grpo_share(cells), ""]
     lines += [*memory_section(), "", *not_testable("small-countdown" in results)]
     return "\n".join(lines) + "\n"
+
+
+def statistics_note(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    seeds = min((len({r["seed"] for r in cells}) for cells in results.values()), default=0)
+    return [f"Statistics: this page makes {len(page_tests(results))} paired comparisons; every p-value is given raw "
+            "and Holm-corrected over all of them, and a verdict comes from the corrected paired t-test alone "
+            "(reproduced: corrected p < 0.05 in the paper's direction). Beside the t-test, the exact sign-flip test "
+            f"makes no normality assumption; with {seeds} seeds its smallest possible p is "
+            f"{sign_flip_floor(seeds):.4f}, so it "
+            + ("cannot reach 0.05 here however large the effect: more seeds would be needed for a nonparametric "
+               "verdict." if sign_flip_floor(seeds) >= 0.05 else "can reach 0.05 here.")]
 
 
 def small_parameters() -> str:

@@ -1,5 +1,6 @@
 """Command line: copes-run (train), copes-eval (benchmark a model), copes-bench (time one step by phase),
-copes-replay (rebuild a step's weights from a run's journal).
+copes-replay (rebuild a step's weights from a run's journal), copes-export (a checkpoint as GGUF), copes-fetch (a
+pretrained model by name, into this machine's cache).
 
 A user's mistake prints one sentence and exits with status 2; `--debug` shows the traceback instead.
 """
@@ -23,6 +24,7 @@ import click
 import yaml
 
 from copes.config.options import FIELD_NAMES, ConfigError, TrainConfig, build_config, config_with_preset, read_yaml
+from copes.downloads import DOWNLOADABLE_MODELS
 from copes.errors import Interrupted, UserError
 
 USER_ERROR_STATUS = 2
@@ -337,3 +339,36 @@ def replay_command(run_dir: str, step: int | None, output: str, device: str | No
 
     steps, seconds = replay_run(run_dir, output, step=step, device=device, progress=not quiet)
     click.echo(f"replayed {steps} steps in {seconds:.2f}s ({steps / max(seconds, 1e-9):.1f} steps/s) -> {output}")
+
+
+@click.command(context_settings=COMMAND_SETTINGS)
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.option("--output", required=True, type=click.Path(dir_okay=False), help="GGUF file to write")
+@click.option("--type", "tensor_type", type=click.Choice(["f32", "f16", "bf16"]), default="f32",
+              help="tensor type of the matrices (norms stay f32)")
+@user_errors
+def export_command(checkpoint: str, output: str, tensor_type: str) -> None:
+    """Write a checkpoint (a run's folder, its checkpoints/ folder, one checkpoint, or any model folder) as a GGUF
+    file that llama.cpp-based tools and transformers read."""
+    from copes.gguf_io import export_gguf
+    from copes.run.checkpoint import find_checkpoint
+
+    folder = Path(checkpoint)
+    if not (folder / "config.json").is_file():
+        folder = find_checkpoint(folder)
+    tensors = export_gguf(folder, Path(output), tensor_type)
+    click.echo(f"wrote {tensors} tensors ({tensor_type}) of {folder} -> {output}")
+
+
+@click.command(context_settings=COMMAND_SETTINGS)
+@click.argument("name", type=click.Choice(sorted(DOWNLOADABLE_MODELS)))
+@user_errors
+def fetch_command(name: str) -> None:
+    """Fetch a pretrained model by name into this machine's cache (once), convert it to a dense folder there (once),
+    and print the file's path; `--model NAME` then uses the cached copies."""
+    from copes.downloads import fetch_model
+    from copes.gguf_io import dense_folder
+
+    path = fetch_model(name)
+    dense_folder(path)
+    click.echo(path)

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from copes.downloads import DOWNLOADABLE_MODELS, fetch_model
 from copes.errors import UserError
 from copes.extras import warn_missing_gpu_kernels
+from copes.gguf_io import check_gguf, dense_folder, is_gguf_path
 
 EMBEDDED_MODEL = "tiny"  # the name that picks the model shipped in copes/assets
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
@@ -27,10 +29,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_model_path(model: str) -> str:
-    """An embedded model's name -> its folder; an existing folder must hold weights; anything else is a hub id."""
+    """An embedded model's name -> its folder; a downloadable model's name -> its cached file (fetched once per
+    machine); a `.gguf` path stays a file; an existing folder must hold weights; anything else is a hub id."""
     if model in EMBEDDED_MODELS:
         return str(EMBEDDED_MODELS[model])
+    if model in DOWNLOADABLE_MODELS:
+        return str(fetch_model(model))
     path = Path(model).expanduser()
+    if is_gguf_path(model):
+        check_gguf(path)  # whole, GGUF, an architecture transformers reads: else one sentence, before anything loads
+        return str(path)
     looks_like_path = path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1
     if not looks_like_path:
         return _hub_model_path(model)
@@ -93,6 +101,8 @@ def load_model(
     resolved_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, resolved_device)
     try:
+        if is_gguf_path(path):
+            path = str(dense_folder(Path(path)))
         tokenizer = AutoTokenizer.from_pretrained(path)
         # A GPU model loads straight onto its device: no host copy of the weights first (transformers' device_map).
         placement = {} if resolved_device.type == "cpu" else {"device_map": {"": resolved_device}}

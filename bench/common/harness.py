@@ -147,3 +147,27 @@ def machine_note() -> str:
         return f"{torch.cuda.get_device_name(DEVICE)}, torch {torch.__version__}"
     load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
     return f"CPU, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), load average {load}"
+
+
+def run_provenance(seed: int) -> dict[str, object]:
+    """What a result cell records about how it was made: the command, the commit, library versions, the machine and
+    the seed (so a number on a page can be traced and rerun)."""
+    import importlib.metadata
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    repo = Path(__file__).resolve().parents[2]
+    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit.stdout.strip() or "unknown",
+            "versions": {name: version(name) for name in ("torch", "transformers", "trl", "gguf", "numpy")},
+            "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+                       f"{machine_note()}",
+            "seed": seed}

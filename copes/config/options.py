@@ -53,9 +53,10 @@ def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
 
 @dataclass
 class TrainConfig:
-    model: str = _opt("tiny", "model directory or hub id; 'tiny' is the embedded default model, "
+    model: str = _opt("tiny", "model directory, FILE.gguf or hub id; 'tiny' is the embedded default model, "
                                  "'tiny-agent' the embedded tool-using one, 'small' the embedded "
-                                 "2M-parameter one (arithmetic and countdown)")
+                                 "2M-parameter one (arithmetic and countdown), 'smollm2-135m-instruct' a real "
+                                 "pretrained one (fetched once per machine)")
     task: str = _opt("arithmetic", "what to train on: a task name (gsm8k, math, math500, aime24, aime25, hotpotqa, "
                                    "2wiki, musique, countdown, arithmetic, tool-arithmetic, tool-lookup), a "
                                    ".jsonl/.json/.parquet file, hf:OWNER/NAME[:CONFIG] (a hub dataset or a "

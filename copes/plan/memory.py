@@ -106,9 +106,17 @@ def config_dir(model: str) -> str:
 
 
 def load_config(model: str) -> Any:
-    """The model's text config (a vision-language checkpoint's `text_config`), through transformers' AutoConfig."""
+    """The model's text config (a vision-language checkpoint's `text_config`), through transformers' AutoConfig; a
+    GGUF file's (or a downloadable model's) from the file's metadata."""
     from transformers import AutoConfig
 
+    from copes.downloads import DOWNLOADABLE_MODELS
+    from copes.gguf_io import dense_folder, is_gguf_path
+
+    if model in DOWNLOADABLE_MODELS or is_gguf_path(model):
+        from copes.modeling import resolve_model_path  # fetches a downloadable model once per machine
+
+        model = str(dense_folder(Path(resolve_model_path(model)).expanduser()))
     try:
         config = AutoConfig.from_pretrained(config_dir(model))
     except (OSError, ValueError) as error:

@@ -83,7 +83,9 @@ def build_header(cfg: TrainConfig, model: torch.nn.Module, strategy: Strategy, m
         "config": cfg.to_dict(),
         "user_sources": user_sources(cfg.task, cfg.task_options, cfg.reward),
         "data_files": {str(path): sha256_of(path) for path in data_files},  # copes' own tasks' local data
-        "model": {"name": cfg.model, "path": model_path, "fingerprint": model_fingerprint(model)},
+        "model": {"name": cfg.model, "path": model_path, "fingerprint": model_fingerprint(model),
+                  # A single-file model (a GGUF) by its bytes: a resume checks it before loading anything.
+                  "sha256": sha256_of(Path(model_path)) if Path(model_path).is_file() else None},
         **strategy_identity(strategy),
     }
 
@@ -99,6 +101,12 @@ def check_same_run(run_dir: str | Path, header: dict[str, Any], cfg: TrainConfig
     changed = changed_source(header.get("user_sources", {}), user_sources(cfg.task, cfg.task_options, cfg.reward))
     if changed:
         raise ConfigError(f"--resume {run_dir} refused: {changed}; the journaled rewards came from the old one")
+    model_file, digest = Path(header["model"]["path"]), header["model"].get("sha256")
+    if digest and not model_file.is_file():
+        raise ConfigError(f"--resume {run_dir} refused: the model file {model_file} cannot be found any more")
+    if digest and (now := sha256_of(model_file)) != digest:
+        raise ConfigError(f"--resume {run_dir} refused: the model file {model_file} changed since the run started "
+                          f"(sha256 {digest[:12]} there, {now[:12]} here); the journaled rewards came from the old one")
 
 
 def check_same_data(run_dir: str | Path, header: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from helpers.paths import REPO
 LAYERS = (
     ("kernels", ("copes_kernels",)),
     ("foundation", ("copes.errors", "copes.choices", "copes.failpoints", "copes.extras", "copes.modeling",
-                    "copes.text", "copes.timing", "copes.user_code")),
+                    "copes.gguf_io", "copes.downloads", "copes.text", "copes.timing", "copes.user_code")),
     ("es core", ("copes.es",)),
     ("rollout side", ("copes.rewards", "copes.tools", "copes.tasks", "copes.rollout")),
     ("config", ("copes.config",)),

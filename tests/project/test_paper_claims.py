@@ -53,3 +53,70 @@ def test_the_smallest_table_runs_end_to_end_and_resumes(tmp_path):
             together, by_itself = (json.loads((tmp_path / folder / name).read_text()) for folder in ("cells", "alone"))
             assert {key: together[key] for key in ("before", "after", "steps")} == {
                 key: by_itself[key] for key in ("before", "after", "steps")}
+
+
+# ---- the statistics every result page shares (bench/common/stats.py) and where a run writes its page ----------------
+sys.path.insert(0, str(REPO / "bench"))
+import paper_claims  # noqa: E402
+
+from common import harness  # noqa: E402
+from common.stats import holm, sign_flip_floor, sign_flip_p  # noqa: E402
+
+
+def test_holm_adjusts_step_down_and_keeps_untestable_comparisons_out_of_the_family():
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    adjusted = holm([0.01, float("nan"), 0.5])
+    assert adjusted[0] == pytest.approx(0.02) and adjusted[2] == pytest.approx(0.5) and adjusted[1] != adjusted[1]
+
+
+def test_the_exact_sign_flip_test_and_its_floor_at_five_seeds():
+    assert sign_flip_p([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2 / 32) == sign_flip_floor(5)
+    assert sign_flip_p([1.0, -1.0, 2.0, -2.0]) == 1.0
+    assert sign_flip_p([3.0, 1.0, -0.5]) == pytest.approx(4 / 8)  # |mean| >= 7/6 for +++, ++-, and their mirrors
+
+
+def test_a_run_with_fewer_seeds_writes_beside_the_page_and_a_full_run_replaces_it(tmp_path):
+    settings = paper_claims.Settings(**{**paper_claims.FULL, "seeds": 1}, results=tmp_path)
+    beside = paper_claims.page_to_write(None, settings, quick=False)
+    assert beside == paper_claims.PAGE.with_name("paper-claims.1-seeds.md")
+    full = paper_claims.Settings(**paper_claims.FULL, results=tmp_path)
+    assert paper_claims.page_to_write(None, full, quick=False) == paper_claims.PAGE
+    assert paper_claims.page_to_write(None, settings, quick=True) == tmp_path / "paper-claims.md"
+
+
+def test_a_cell_records_its_command_commit_versions_machine_and_seed():
+    provenance = harness.run_provenance(3)
+    assert provenance["seed"] == 3 and len(provenance["commit"]) == 40
+    assert {"torch", "transformers", "trl", "gguf"} <= provenance["versions"].keys()
+    assert provenance["command"] and "CPUs" in provenance["machine"]
+
+
+def test_the_real_model_page_rows_shares_and_corrected_comparisons():
+    """bench/real_model.py's results section from saved cells: every method's row (GRPO's too), intervals as ±, the
+    share of GRPO's gain beside the paper's, and the comparisons with CoPES Holm-corrected."""
+    import real_model
+
+    def cell(method, budget, seed, gain):
+        return {"method": method, "budget": budget, "seed": seed, "before": 0.2, "after": 0.2 + gain / 100,
+                "gain_points": gain, "steps": 4, "cpu_seconds": 40.0, "peak_rss_gib": 1.5, "settings": {"steps": 4}}
+
+    saved = [cell(method, "equal wall clock", seed, gain + seed)
+             for method, gain in (("CoPES (K=4)", 4.0), ("ES (K=1)", 2.0), ("EGGROLL", 1.0), (paper_claims.GRPO, 8.0))
+             for seed in range(3)]
+    page = "\n".join(real_model.results_section(saved))
+    assert "| GRPO (TRL) | 3 | 20.0 | 29.0 | +9.0 ± " in page and "| CoPES (K=4) | 0 | not run |" in page
+    assert 'Settings of the saved cells: {"steps": 4}.' in page
+    assert "CoPES (K=4): 56% (paper: 92%)" in page and "ES (K=1): 33% (paper: 67%)" in page
+    assert "| CoPES (K=4) − ES (K=1), equal wall clock | 3 | +2.0 ± 0.0 |" in page and "Holm" in page
+
+
+def test_the_chat_sums_files_are_fixed_disjoint_and_cover_every_pair(tmp_path):
+    import real_model
+
+    train, held_out = real_model.chat_sum_files(tmp_path / "a")
+    rows = [json.loads(line) for path in (train, held_out) for line in path.read_text().splitlines()]
+    assert len(rows) == 31 * 31 and len(held_out.read_text().splitlines()) == 200
+    assert len({row["prompt"] for row in rows}) == len(rows)
+    first_held_out = rows[-200]
+    assert first_held_out == {"prompt": "What is 21 + 28? Put the final answer in \\boxed{}.", "answer": "49"}
+    assert real_model.chat_sum_files(tmp_path / "b")[1].read_bytes() == held_out.read_bytes()
