@@ -132,15 +132,19 @@ def _takes_several_arguments(tool: Tool) -> bool:
 
 
 def _tag_call(name: str, body: str, tool: Tool) -> ParsedCall:
-    """The call a `<name>body</name>` block makes: the body is the one argument, or the JSON arguments object."""
+    """The call a `<name>body</name>` block makes: the body is the one argument, or the JSON arguments object (or,
+    for a tool with one required argument among optional ones, that argument)."""
     if not _takes_several_arguments(tool):
         parameter = _main_parameter(tool)
         return _check_required(name, {parameter: body.strip("\n")} if parameter else {}, tool)
     arguments, error = _load_json(body)
-    if error or not isinstance(arguments, dict):
-        return ParsedCall(name, error=f"the <{name}> block must hold a JSON object of its arguments "
-                                      f"({', '.join(tool.parameters['properties'])})")
-    return _check_required(name, arguments, tool)
+    if not error and isinstance(arguments, dict):
+        return _check_required(name, arguments, tool)
+    required = tool.parameters.get("required") or []
+    if len(required) == 1:  # a plain body still fills the one required argument; the optional ones keep defaults
+        return _check_required(name, {required[0]: body.strip("\n")}, tool)
+    return ParsedCall(name, error=f"the <{name}> block must hold a JSON object of its arguments "
+                                  f"({', '.join(tool.parameters['properties'])})")
 
 
 def _with_tag_instructions(messages: Sequence[Message], tools: Sequence[Tool]) -> list[dict[str, Any]]:

@@ -138,13 +138,15 @@ def test_a_hanging_tool_times_out_and_samples_hold_the_transcript(tmp_path, monk
     args = ESConfig(output_dir=str(tmp_path / "run"), max_steps=1, population_size=2, num_subspaces=1,
                     prompt_batch_size=1, max_completion_length=64, eval_size=0, chunk_size=4096, tool_timeout_s=0.5,
                     log_completions=True, sample_prompts=1)
+    threads_before = set(threading.enumerate())  # earlier tests of the session may have left their own
     started = time.perf_counter()
     trainer = ESTrainer(model=str(checkpoint), reward_funcs=[answer_column_reward], args=args,
                         train_dataset=rows,
                         processing_class=tokenizer, tools=[wait_forever])
     trainer.train()
     assert time.perf_counter() - started < 60
-    assert all(thread.daemon for thread in threading.enumerate() if thread is not threading.main_thread())
+    left = [thread.name for thread in set(threading.enumerate()) - threads_before if not thread.daemon]
+    assert not left, f"training left threads to wait for: {left}"
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert samples
     for sample in samples:
