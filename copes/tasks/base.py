@@ -7,8 +7,9 @@ rollout. Rollouts (copes.rollout) know nothing about datasets; the trainer knows
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 
@@ -92,6 +93,7 @@ def batch_used_tools(
 
 TaskFactory = Callable[..., Task]
 _REGISTRY: dict[str, TaskFactory] = {}
+REGISTERED_TASKS: Mapping[str, TaskFactory] = MappingProxyType(_REGISTRY)  # read-only: `name in REGISTERED_TASKS`
 
 
 def check_split(split: str, limit: int | None, splits: Sequence[str]) -> None:

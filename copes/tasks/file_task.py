@@ -25,15 +25,12 @@ from copes.errors import ConfigError
 from copes.rewards import extract_answer
 from copes.rewards.functions import RewardSet, resolve_reward
 from copes.tasks.base import Example, Score, TaskBase, batch_used_tools
-from copes.tasks.loading import LOCAL_FORMATS, DatasetError, read_rows
+from copes.tasks.loading import DatasetError, read_rows
 
 HUB_PREFIX = "hf:"
 HELD_OUT_SPLITS = ("validation", "test")
 CORRECT_AT = 1.0  # the first reward's value from which a rollout counts as correct
-
-
-def is_dataset_file(spec: str) -> bool:
-    return spec.endswith(LOCAL_FORMATS) or Path(spec).is_file()
+DEFAULT_REWARD = "exact"  # without --reward: the extracted answer equal to the gold column
 
 
 def parse_hub_spec(spec: str) -> tuple[str, str | None]:
@@ -112,31 +109,23 @@ class FileTask(RewardScored, TaskBase):
         eval_split: str | None = None,
         chat: bool | str = True,
         system_prompt: str | None = None,
+        rewards: RewardSet | None = None,
     ) -> None:
+        """`rewards` None: the default `exact` reward, which reads the gold column (so a file without it is refused
+        here); given rewards read whichever columns they name, and the gold column is checked only when the user
+        named it (answer_field=), where a column no row has is a typo."""
         self.source, self.prompt_field, self.answer_field = source, prompt_field, answer_field
         self.eval_file = eval_file
         self.chat = _bool_option("chat", chat)
         self.name = Path(source).stem if not source.startswith(HUB_PREFIX) else source
         self.system_prompt = system_prompt if self.chat else None  # raw prompts carry it in their text instead
         self._prefix = "" if self.chat or not system_prompt else system_prompt
-        self.rewards = RewardSet([resolve_reward("exact", answer_field=answer_field)])
+        gold_read = rewards is None or answer_field != "answer"
+        self.rewards = rewards or RewardSet([resolve_reward(DEFAULT_REWARD, answer_field=answer_field)])
         self._rows = self._load_rows(eval_file, eval_split)
         self._cache: dict[str, list[Example]] = {}
-        if answer_field != "answer":  # named by the user: a column no row has is a typo
-            self._require_gold_column()
-
-    def scored_by(self, rewards: RewardSet | None) -> FileTask:
-        """This task scored by `rewards`; None keeps the default `exact` reward, which reads the gold column."""
-        if rewards is None:
-            self._require_gold_column()
-        else:
-            self.rewards = rewards
-        return self
-
-    def _require_gold_column(self) -> None:
-        """A gold column no row has would score every row 0: refused at start."""
         train_rows = self._rows["train"]
-        if not any(self.answer_field in row for row in train_rows):
+        if gold_read and not any(answer_field in row for row in train_rows):
             columns = sorted({key for row in train_rows[:100] for key in row})
             raise ConfigError(f"{self.source}: no row has the answer column {self.answer_field!r} (task option "
                               f"answer_field=); its columns are {columns}")
@@ -188,4 +177,4 @@ class FileTask(RewardScored, TaskBase):
 
 
 # The task options (`--task-options KEY=VALUE`) a data file or hub task takes: its keyword arguments.
-FILE_TASK_OPTIONS = frozenset(inspect.signature(FileTask.__init__).parameters) - {"self", "source"}
+FILE_TASK_OPTIONS = frozenset(inspect.signature(FileTask.__init__).parameters) - {"self", "source", "rewards"}

@@ -27,15 +27,15 @@ from copes.rewards.functions import (
     RewardSet,
     resolve_reward,
 )
-from copes.tasks.base import Example, Task, get_task, task_names
+from copes.tasks.base import REGISTERED_TASKS, Example, Task, get_task, task_names
 from copes.tasks.file_task import (
     FILE_TASK_OPTIONS,
     HUB_PREFIX,
     FileTask,
     RewardScored,
-    is_dataset_file,
     parse_hub_spec,
 )
+from copes.tasks.loading import LOCAL_FORMATS
 from copes.user_code import import_object, is_import_path, module_source, sha256_of
 
 RewardSpec = str | Callable[..., Any]
@@ -71,14 +71,15 @@ TaskForm = Literal["builtin", "file", "hub", "plugin"]
 
 
 def task_form(spec: str) -> TaskForm | None:
-    """What `--task` names (see the module docstring), decided once for the whole build; None for none of them."""
-    if spec in task_names():
+    """What `--task` names (see the module docstring), decided once for the whole build; None for none of them. A
+    spec with a colon that is none of the others is a plugin: importing it says in one line what is wrong."""
+    if spec in REGISTERED_TASKS:
         return "builtin"
     if spec.startswith(HUB_PREFIX):
         return "hub"
-    if is_dataset_file(spec):
+    if spec.endswith(LOCAL_FORMATS) or Path(spec).is_file():
         return "file"
-    if is_import_path(spec):
+    if ":" in spec:
         return "plugin"
     return None
 
@@ -86,25 +87,25 @@ def task_form(spec: str) -> TaskForm | None:
 def build_task(spec: str, options: dict[str, Any], *, rewards: Sequence[RewardSpec] = (),
                reward_weights: Sequence[float] = (), data_dir: str | None = None,
                reward_timeout_s: float = DEFAULT_TIMEOUT_S) -> Task:
-    """The task `spec` names, then its rewards: in one pass, its form decided once. `data_dir` goes to copes' own
-    tasks (a file, hub or plugin task names its own data)."""
+    """The task `spec` names, scored by `rewards`, in one pass: its form decided once, the task built, then its
+    rewards (a file or hub task is built with them: its rows' columns are what they read). `data_dir` goes to copes'
+    own tasks (the others name their own data)."""
     form = task_form(spec)
     if form is None:
         raise ConfigError(f"unknown task {spec!r}: give {TASK_FORMS} (names: {', '.join(task_names())})")
-    task = _new_task(form, spec, options, data_dir)
-    return with_rewards(task, rewards, reward_weights, reward_timeout_s)
-
-
-def _new_task(form: TaskForm, spec: str, options: dict[str, Any], data_dir: str | None) -> Task:
+    if form in ("file", "hub"):
+        unknown = sorted(set(options) - FILE_TASK_OPTIONS)
+        if unknown:
+            raise ConfigError(f"unknown task option(s) {', '.join(unknown)} for a data file or hub task; its "
+                              f"options are {', '.join(sorted(FILE_TASK_OPTIONS))}")
+        answer_field = options.get("answer_field", "answer")
+        scoring = reward_set(rewards, reward_weights, answer_field, reward_timeout_s) if rewards else None
+        return FileTask(spec, **options, rewards=scoring)  # None: its default reward, on its gold column
     if form == "builtin":
-        return get_task(spec, **options, **({"data_dir": data_dir} if data_dir else {}))
-    if form == "plugin":
-        return _plugin_task(spec, options)
-    unknown = sorted(set(options) - FILE_TASK_OPTIONS)
-    if unknown:
-        raise ConfigError(f"unknown task option(s) {', '.join(unknown)} for a data file or hub task; its options "
-                          f"are {', '.join(sorted(FILE_TASK_OPTIONS))}")
-    return FileTask(spec, **options)
+        task = get_task(spec, **options, **({"data_dir": data_dir} if data_dir else {}))
+    else:
+        task = _plugin_task(spec, options)
+    return with_rewards(task, rewards, reward_weights, reward_timeout_s)
 
 
 def _plugin_task(spec: str, options: dict[str, Any]) -> Task:
@@ -122,11 +123,12 @@ def _plugin_task(spec: str, options: dict[str, Any]) -> Task:
 
 def with_rewards(task: Task, rewards: Sequence[RewardSpec], reward_weights: Sequence[float] = (),
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> Task:
-    """`task`, scored by `rewards` instead of its own scoring when any are given (a file task takes them itself,
-    and without them checks the gold column its default reward reads)."""
-    if isinstance(task, FileTask):
-        return task.scored_by(reward_set(rewards, reward_weights, task.answer_field, timeout_s) if rewards else None)
+    """`task` scored by `rewards` instead of its own scoring when any are given (a file task takes them itself: it
+    hands its rows' columns to them)."""
     if not rewards:
+        return task
+    if isinstance(task, FileTask):
+        task.rewards = reward_set(rewards, reward_weights, task.answer_field, timeout_s)
         return task
     return RewardedTask(task, reward_set(rewards, reward_weights, RewardedTask.answer_field, timeout_s))
 

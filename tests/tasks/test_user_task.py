@@ -413,29 +413,6 @@ def test_a_file_tasks_mistakes_are_one_line_that_says_the_fix(tmp_path):
         eval_examples(task, build_config({"task": str(data), "eval_size": 4}), warn=False)
 
 
-@pytest.mark.parametrize("spec", ["arithmetic", "examples/my_task/train.jsonl", "my_task.nothing_here:factory"])
-def test_a_task_spec_is_resolved_in_one_pass(spec, monkeypatch):
-    """What --task names is decided once (`task_form`), the task is built, then its rewards are resolved: no reward
-    spec is looked at while the task is being built (a file task's gold column is checked once its rewards are
-    known, so a user reward can replace the default one that reads it)."""
-    from copes.tasks import plugins
-
-    events: list[str] = []
-    form_of, new_task, reward_set = plugins.task_form, plugins._new_task, plugins.reward_set
-    monkeypatch.setattr(plugins, "task_form", lambda s: events.append("form") or form_of(s))
-    monkeypatch.setattr(plugins, "_new_task", lambda *a: events.append("task") or new_task(*a))
-    monkeypatch.setattr(plugins, "reward_set", lambda *a: events.append("rewards") or reward_set(*a))
-    monkeypatch.chdir(REPO)
-    if ":" in spec:
-        with pytest.raises(ConfigError, match="cannot import my_task.nothing_here"):
-            plugins.build_task(spec, {}, rewards=["exact"])
-        assert events == ["form", "task"]
-        return
-    options = {"prompt_field": "problem", "answer_field": "solution"} if spec.endswith(".jsonl") else {}
-    plugins.build_task(spec, options, rewards=["exact"])
-    assert events == ["form", "task", "rewards"]
-
-
 def test_a_file_task_scored_by_a_user_reward_needs_no_answer_column(tmp_path):
     """The default reward reads the gold column, so a file without one is refused; a user reward that does not read
     it replaces the default before the check."""
