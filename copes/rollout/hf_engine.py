@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,24 +191,33 @@ class _ColumnLayer(DynamicLayer):
 class _GraphStep:
     """`forward` (no arguments: it reads and writes fixed tensors) as a CUDA graph. The first call runs it eagerly
     on a side stream (the warm-up capture needs, and a real step: a second run would advance the recurrent states
-    twice), then records it, which runs nothing; every later call replays the recording."""
+    twice), then records it, which runs nothing; every later call replays the recording. A forward that cannot be
+    captured (an op that syncs with the host) runs eagerly from then on, with a one-line warning: recording ran
+    nothing, so no state moved."""
 
     def __init__(self, forward: Callable[[], torch.Tensor]) -> None:
-        self.forward, self.graph, self.logits = forward, None, None
+        self.forward, self.graph, self.logits, self.eager = forward, None, None, False
 
     def __call__(self) -> torch.Tensor:
         if self.graph is not None:
             self.graph.replay()
             return self.logits
+        if self.eager:
+            return self.forward()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             logits = self.forward()
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: a sandbox or journal thread's CUDA call elsewhere must not invalidate the capture.
-        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
-            self.logits = self.forward()
+        logits.record_stream(torch.cuda.current_stream())  # read there: not free for the side stream until then
+        graph = torch.cuda.CUDAGraph()
+        try:  # thread_local: a sandbox or journal thread's CUDA call elsewhere must not invalidate the capture
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                self.logits = self.forward()
+            self.graph = graph
+        except RuntimeError as failure:
+            warnings.warn(f"the HF engine decodes without CUDA graphs: {str(failure).splitlines()[0]}", stacklevel=2)
+            self.eager = True
         return logits
 
 
