@@ -637,8 +637,9 @@ def test_a_context_that_does_not_extend_the_cache(char_lm, char_tokenizer):
     assert again == generate_batch(char_lm, char_tokenizer, [edited], max_new_tokens=8)[0]
 
 
-def test_hf_engine_sampling_is_seeded_and_leaves_the_global_rng_alone(model, tokenizer):
-    engine = HFEngine(model)
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_hf_engine_sampling_is_seeded_and_leaves_the_global_rng_alone(model, tokenizer, decode):
+    engine = HFEngine(model, decode=decode)
     sample = {"max_new_tokens": 12, "greedy": False, "temperature": 1.5, "top_p": 0.9}
     torch.manual_seed(5)
     expected_next = torch.rand(2)
@@ -651,7 +652,8 @@ def test_hf_engine_sampling_is_seeded_and_leaves_the_global_rng_alone(model, tok
     assert nucleus_of_one == engine.generate(tokenizer, PROMPTS, max_new_tokens=12)
 
 
-def test_hf_engine_routes_every_forward_to_its_rows_members(model, tokenizer):
+@pytest.mark.parametrize("decode", ["eager", "static"])  # static: what CUDA runs under a row_context
+def test_hf_engine_routes_every_forward_to_its_rows_members(model, tokenizer, decode):
     """Under EGGROLL each forward's rows see their own member's weights: the same tokens as `generate_batch`
     with the whole batch routed at once."""
     es = EGGROLL(model, population=3, sigma=0.3, lr=0.01, rank=2, seed=1)
@@ -661,8 +663,8 @@ def test_hf_engine_routes_every_forward_to_its_rows_members(model, tokenizer):
 
     def fitness(m, row_members):
         context = lambda rows: row_members(member_of_row[rows])  # noqa: E731
-        outputs["engine"] = HFEngine(m).generate(tokenizer, PROMPTS, max_new_tokens=limits, rows=[0, 1, 2, 3],
-                                                 row_context=context)
+        outputs["engine"] = HFEngine(m, decode=decode).generate(tokenizer, PROMPTS, max_new_tokens=limits,
+                                                                rows=[0, 1, 2, 3], row_context=context)
         with row_members(member_of_row):
             outputs["reference"] = generate_batch(m, tokenizer, PROMPTS, max_new_tokens=limits)
         return torch.zeros(3)
