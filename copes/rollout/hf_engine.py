@@ -537,7 +537,7 @@ class HFEngine:
         fixed mask, the picked tokens kept on the device in `picked` and read every `SYNC_EVERY` steps."""
         device, count, steps = self.model.device, len(batch), max(row.limit for row in batch)
         recurrent = _batch_states(batch, stores)
-        column = torch.tensor([width], device=device)  # where this step's keys go (every row's rows end at width)
+        column = torch.tensor([width], device=device)  # where this step's keys go: every context ends at width
         positions = torch.tensor([[len(row.ids)] for row in batch], device=device)
         mask = torch.zeros(count, 1, 1, width + steps, dtype=torch.bool, device=device)
         for row in batch:
