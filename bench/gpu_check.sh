@@ -14,8 +14,9 @@
 #   rollout     the HF engine at Qwen3.5-4B's shape, the plan's rows on long synthetic contexts (a kept turn, a
 #               last turn), the card capped at 24 GiB less the CUDA context: allocated, reserved and mem_get_info
 #               peaks beside the memory plan's (plan_json); no checkpoint, no sandbox
-#   speed       ms per decode step and tokens/s at 1 row and the planned rows per engine here (HF eager; vLLM when
-#               carried), each beside the memory-bandwidth floor, and one headline step's wall time from them
+#   speed       ms per decode step and tokens/s at 1 row and the planned rows per engine here (HF eager, HF graphs:
+#               the HF engine's static decode replayed as CUDA graphs; vLLM when carried), each beside the
+#               memory-bandwidth floor, and one headline step's wall time from them
 #   generation  HF generate, 64 ragged left-padded rows at L = 1K/2K/4K, 2 turns: peak memory and tokens/s (an
 #               OOM fails the phase)
 #   trainer     copes.train on the device: 2 steps twice (same weights?) and a resume (bitwise?)

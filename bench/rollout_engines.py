@@ -1,5 +1,7 @@
 """Rollout engines side by side: Hugging Face `generate` (the baseline: what copes ran before it had an HF engine
-of its own), copes' HF engine (copes.rollout.hf_engine: per-row prefill, finished rows leave the batch) and vLLM
+of its own), copes' HF engine (copes.rollout.hf_engine: per-row prefill, finished rows leave the batch), the same
+engine's static decode (hf-engine-static: what it runs on CUDA, there replayed as CUDA graphs; on a CPU every row
+stays in every forward, the whole store attended to, the host reading tokens every 16 steps) and vLLM
 (weights perturbed in place inside the engine), vLLM with plain linear weights (F.linear, as HF) and with packed ones
 (vLLM's oneDNN copies, repacked after each weight change).
 
@@ -22,7 +24,8 @@ threads. Three workloads (--workloads):
 Per dtype and workload it reports, best of --repeats rounds after a warm-up, the engines alternating each round:
 
   tokens/s     the batch's generated tokens (the rows' own lengths summed, over every turn) / seconds of one
-               batched greedy generation (weights unchanged since the last one: no repack)
+               batched greedy generation (weights unchanged since the last one: no repack); vs_hf_tokens and
+               vs_hf_engine_tokens: the engine's speed over hf's and hf-engine's (eager decode)
   step s       one CoPES step (--population members, each: perturb, roll out the batch, restore; then the
                update), and inside it the seconds of perturb + restore, which vLLM pays on its own storage, and
                of the packed engine's repacks (one per member: its weights changed since the last rollout)
@@ -151,10 +154,10 @@ def hf_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tensor]
     return both_turns(lambda prompts, lengths: hf_generate(model, prompts, lengths), workload)
 
 
-def hf_engine_rollout(model: torch.nn.Module, workload: Workload) -> list[torch.Tensor]:
+def hf_engine_rollout(model: torch.nn.Module, workload: Workload, decode: str = "eager") -> list[torch.Tensor]:
     # No EOS: every row generates exactly its length, as on the other engines. Before a second turn a row ends as
     # on a tool call (a stop string: the engine keeps its cache), so that turn prefills only the observation.
-    engine = HFEngine(model)
+    engine = HFEngine(model, decode=decode)
     engine.start_rollout()
     two_turns = workload.observations is not None
 
@@ -208,8 +211,9 @@ def copes_step(model: torch.nn.Module, rollout: Rollout, workload: Workload, pop
 
 def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int) -> list[dict[str, object]]:
     hf_model, _, _ = load_model(str(folder), device="cpu", dtype=dtype)
-    engines: dict[str, tuple[torch.nn.Module, Rollout]] = {"hf": (hf_model, hf_rollout),
-                                                           "hf-engine": (hf_model, hf_engine_rollout)}
+    engines: dict[str, tuple[torch.nn.Module, Rollout]] = {
+        "hf": (hf_model, hf_rollout), "hf-engine": (hf_model, hf_engine_rollout),
+        "hf-engine-static": (hf_model, lambda model, workload: hf_engine_rollout(model, workload, decode="static"))}
     for weights in [engine.removeprefix("vllm-") for engine in args.engines]:
         views, _, _ = load_rollout_model(str(folder), engine="vllm", device="cpu", dtype=dtype,
                                          cpu_threads=args.threads, kv_cache_gib=args.kv_cache_gib,
@@ -234,7 +238,8 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
                 "prompts": len(workload.prompts), "turns": workload.turns,
                 "generated_tokens": sum(workload.new_tokens) * workload.turns, "longest": max(workload.new_tokens),
                 "tokens_per_s": sum(workload.new_tokens) * workload.turns / generate[name],
-                "vs_hf_tokens": generate["hf"] / generate[name], "step_s": step[name],
+                "vs_hf_tokens": generate["hf"] / generate[name],
+                "vs_hf_engine_tokens": generate["hf-engine"] / generate[name], "step_s": step[name],
                 "vs_hf_step": None if args.no_step else step["hf"] / step[name],
                 "perturb_restore_s": phases[name]["perturb_restore"],
                 "repack_s": phases[name]["repack"], "rows_equal_to_hf": same_rows[name],
@@ -266,7 +271,7 @@ def main() -> None:
         parameters = build_model_folder(Path(folder), MODEL_SHAPE)
         vocab_size = Qwen3Config.from_pretrained(folder).vocab_size
         rows = [row for dtype in args.dtypes for row in measure(Path(folder), dtype, args, vocab_size)]
-    report("rollout_engines", rows, f"hf vs {', '.join(['hf-engine', *args.engines])} rollouts, "
+    report("rollout_engines", rows, f"hf vs {', '.join(['hf-engine', 'hf-engine-static', *args.engines])} rollouts, "
                                     f"random Qwen3 of {parameters / 1e6:.1f}M parameters; "
                                     f"{machine_note()}; {time.perf_counter() - started:.0f}s")
 

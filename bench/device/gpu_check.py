@@ -17,9 +17,10 @@ makes the exit status 1 (measurements are printed, never asserted). Phases:
               a last turn that keeps nothing), the card capped at 24 GiB less the CUDA context: allocated,
               reserved and mem_get_info peaks beside the plan (no checkpoint, no sandbox: no model code runs)
   speed       bf16 at the 4B shape: ms per decode step and tokens/s at 1 row and at the planned rows for each
-              engine here (copes' HF engine, eager; transformers' static-cache generate, compiled into CUDA graphs
-              on a GPU; vLLM when carried), each beside the memory-bandwidth floor (weight bytes /
-              peak bandwidth), and the wall time of one headline step (40 x 64 x 600 tokens) they imply
+              engine here (copes' HF engine: "hf eager", finished rows leaving the batch, and "hf graphs", its
+              static decode replayed as CUDA graphs, what auto runs on CUDA; vLLM when carried), each beside the
+              memory-bandwidth floor (weight bytes / peak bandwidth), and the wall time of one headline step
+              (40 x 64 x 600 tokens) they imply
   trainer     copes.train on the device: 2 steps twice (same weights?) and 1 step + resume to 2 (bitwise?)
 `--cpu-dry-run` runs the same code on the CPU at small shapes (tiny configs, short L), so CI keeps it working.
 """
@@ -541,12 +542,19 @@ def peak_bandwidth_gbs(device: str) -> tuple[float, str]:
     return round(5 * 2 * source.numel() / took / 1e9, 1), "a measured copy"
 
 
-def hf_decode(model: torch.nn.Module, sizes: Sizes, rows: int) -> dict[str, Any]:
-    """ms per decode step of the HF engine at `rows` rows: two generations from the same prompts that differ only
-    in their decode steps, so the prefill cancels."""
+def hf_engine(model: torch.nn.Module, graphs: bool) -> Any:
+    """copes' HF engine as the speed phase times it: "hf eager", or "hf graphs" (the static decode replayed as CUDA
+    graphs; on the CPU dry run, which has no graphs, the same static decode)."""
     from copes.rollout.hf_engine import HFEngine
 
-    engine = HFEngine(model)
+    decode = ("graphs" if model.device.type == "cuda" else "static") if graphs else "eager"
+    return HFEngine(model, decode=decode)
+
+
+def hf_decode(model: torch.nn.Module, sizes: Sizes, rows: int, graphs: bool = False) -> dict[str, Any]:
+    """ms per decode step of the HF engine at `rows` rows: two generations from the same prompts that differ only
+    in their decode steps, so the prefill (and a graph's capture, once per call) cancels."""
+    engine = hf_engine(model, graphs)
     generator = torch.Generator().manual_seed(rows)
     prompts = torch.randint(1, int(sizes.model["vocab_size"]), (rows, sizes.decode_context),
                             generator=generator).tolist()
@@ -556,30 +564,6 @@ def hf_decode(model: torch.nn.Module, sizes: Sizes, rows: int) -> dict[str, Any]
         return seconds(sizes.device, lambda: engine.generate_ids(prompts, [steps] * rows, eos=set()))
 
     generate(2)  # warm-up
-    short, long = generate(2), generate(2 + sizes.decode_steps)
-    ms = 1000 * (long - short) / sizes.decode_steps
-    return {"ms_per_step": round(ms, 2), "tokens_per_s": round(rows * 1000 / ms, 1)}
-
-
-def static_cache_generate(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    """Greedy tokens of transformers' `generate` on a static cache (same-length prompts, so no padding): on CUDA
-    transformers compiles its decode step (torch.compile, CUDA graphs), the launch-free decode the HF engine lacks."""
-    ids = torch.tensor(prompts, device=model.device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
-                         min_new_tokens=steps, do_sample=False, pad_token_id=0, cache_implementation="static")
-    return out[:, ids.shape[1]:].tolist()
-
-
-def static_decode(model: torch.nn.Module, sizes: Sizes, rows: int) -> dict[str, Any]:
-    """`hf_decode`'s measure on `static_cache_generate`."""
-    generator = torch.Generator().manual_seed(rows)
-    prompts = torch.randint(1, int(sizes.model["vocab_size"]), (rows, sizes.decode_context),
-                            generator=generator).tolist()
-
-    def generate(steps: int) -> float:
-        return seconds(sizes.device, lambda: static_cache_generate(model, prompts, steps))
-
-    generate(2 + sizes.decode_steps)  # warm-up: the compiles, at the longest cache
     short, long = generate(2), generate(2 + sizes.decode_steps)
     ms = 1000 * (long - short) / sizes.decode_steps
     return {"ms_per_step": round(ms, 2), "tokens_per_s": round(rows * 1000 / ms, 1)}
@@ -639,11 +623,11 @@ def speed(sizes: Sizes) -> dict[str, Any]:
               flush=True)
         engines: dict[str, Any] = {"hf eager": timed_rows("hf eager", row_counts,
                                                           lambda rows: hf_decode(model, sizes, rows))}
-        try:  # transformers' own static-cache decode (the copes HF engine has no such path yet); its compiles may
-            # be slow, so it runs after the eager figures are in the log
-            engines["hf static"] = timed_rows("hf static", row_counts, lambda rows: static_decode(model, sizes, rows))
-        except Exception as failure:  # an older transformers or a compile failure: reported, not fatal
-            engines["hf static"] = f"failed: {type(failure).__name__}: {str(failure).splitlines()[0][:200]}"
+        try:  # after the eager figures are in the log: a capture that fails is reported, not fatal
+            engines["hf graphs"] = timed_rows("hf graphs", row_counts,
+                                              lambda rows: hf_decode(model, sizes, rows, graphs=True))
+        except Exception as failure:
+            engines["hf graphs"] = f"failed: {type(failure).__name__}: {str(failure).splitlines()[0][:200]}"
         if sizes.device == "cuda" and importlib.util.find_spec("vllm") is not None:
             del model
             torch.cuda.empty_cache()

@@ -475,9 +475,11 @@ def _rollout_lines(shape: ModelShape, rollout: RolloutShape, s: int,
     if shape.full_attention_layers and repeated and not decode_packs_gqa():  # every decode step repeats each row's K/V
         per_row.append(PlanLine("decode K/V repeated", repeated,
                                 "one layer's, to the query heads (this transformers has no pack_gqa)"))
-    # One decoded position: a layer's transients, the mask row, fp32 logits, scores and probabilities.
-    decode = PlanLine("decode step", per_token + context + shape.vocab * 4 * 3,
-                      f"1 token x {per_token:,} B + mask + fp32 logits, scores, probabilities")
+    # One decoded position: a layer's transients, the mask row, fp32 logits, scores and probabilities; the static
+    # decode (CUDA) also keeps the turn's picked ids on the device (int64). Its CUDA graph's pool holds one step's
+    # transients for the call, and it allocates no cache beyond the store the KV line counts.
+    decode = PlanLine("decode step", per_token + context + shape.vocab * 4 * 3 + 8 * rollout.generated_per_turn,
+                      f"1 token x {per_token:,} B + mask + fp32 logits, scores, probabilities + picked ids")
     # Layers run one at a time, so the prefill's peak is its heaviest layer's; an attention layer's includes its K/V
     # repeated to the query heads (measured at reduced width: the two never coexist with an MLP's or a delta-net's).
     layer_peaks = {name: bytes_ * prefill + (repeated if name == "attention" else 0) for name, bytes_ in kinds.items()}

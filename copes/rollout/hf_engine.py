@@ -20,6 +20,14 @@ tokens on fp32 CPU). How it computes them:
   to itself (a block-diagonal mask: no padding), when no `row_context` asks for per-row weights.
 - Decode: the active rows in one batch, masked; a row leaves the batch when it ends, the batch's last row moving
   into its place (one row's copy), and pad columns no remaining row needs are not attended to.
+- Static decode (`decode="static"`/`"graphs"`, what `auto` picks on CUDA, see `decode_mode`): every row stays
+  in the batch until the call ends (a finished row's tokens are dropped), each forward attends to the whole
+  store under a fixed (rows x columns) mask and writes its keys at a column held in a device tensor, and the
+  picked tokens stay on the device: the host reads them every `SYNC_EVERY` steps (stop strings, EOS, limits are
+  checked there, on the same tokens), not after every token. Every shape and address is fixed, so `"graphs"`
+  captures the decode forward once per call as a CUDA graph and replays it (one launch per step instead of one
+  per kernel). A recurrent state cannot be cut back to a stop string's token, so a hybrid model's rows that keep
+  their cache for a next turn are read every step.
 - `row_context(keys)` wraps every forward with that forward's rows in batch order (EGGROLL routes each row to
   its member's perturbation).
 
@@ -32,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +65,10 @@ RowContext = Callable[[list[int]], contextlib.AbstractContextManager[Any]]
 # Tokens of the prompt's tail shown to the stop-string check with the new tokens: a stop string may begin in the
 # prompt, and a character can take up to 4 byte-level tokens.
 _TOKENS_PER_STOP_CHARACTER = 4
+DECODE_MODES = ("auto", "eager", "static", "graphs")
+# Static decode steps between two host reads of the picked tokens: a read waits for the device (a sync), and the
+# rows that ended meanwhile cost at most this many wasted steps.
+SYNC_EVERY = 16
 
 
 def _attention(layer: Any) -> bool:
@@ -74,6 +87,27 @@ def drives(model: Any) -> bool:
     layers = DynamicCache(config=model.config).layers
     return all(_attention(layer) != _recurrent(layer) and not isinstance(layer, DynamicSlidingWindowLayer)
                for layer in layers)
+
+
+def decode_mode(device: torch.device | str, attention: str | None, *, row_context: bool,
+                mode: str = "auto") -> str:
+    """The decode loop a call runs for a model on `device` with `attention` (its config's _attn_implementation),
+    see the module docstring. auto: "eager" off CUDA (finished rows leave the batch: on a CPU the compute is the
+    cost) and for attention other than sdpa (the static decode's boolean mask is sdpa's form); on CUDA "graphs"
+    (launches and host syncs are the cost), or "static" under a `row_context` (its routing is entered per call in
+    Python, which a replayed graph would not see)."""
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {DECODE_MODES}, got {mode!r}")
+    device = torch.device(device)
+    if mode in ("static", "graphs") and attention != "sdpa":
+        raise ValueError(f"decode={mode!r} needs sdpa attention, the model uses {attention}")
+    if mode == "graphs" and device.type != "cuda":
+        raise ValueError(f"decode='graphs' needs a CUDA device, the model is on {device}")
+    if mode != "auto":
+        return mode
+    if device.type != "cuda" or attention != "sdpa":
+        return "eager"
+    return "static" if row_context else "graphs"
 
 
 def _combined(layers: Sequence[Any], states: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:
@@ -136,6 +170,55 @@ class _StoreLayer(DynamicLayer):
         self.end += key_states.shape[2]
         self._views()
         return self.keys, self.values
+
+
+class _ColumnLayer(DynamicLayer):
+    """An attention cache layer on the whole of a `_Store` for the static decode: `update` writes the step's keys
+    and values at the column held in the device tensor `column` (the same for every row: the rows end together)
+    and returns the whole store, whose shape and address never change."""
+
+    def __init__(self, store: _Store, column: torch.Tensor) -> None:
+        super().__init__()
+        self.column, self.is_initialized, self.keys, self.values = column, True, store.keys, store.values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys.index_copy_(2, self.column, key_states)
+        self.values.index_copy_(2, self.column, value_states)
+        return self.keys, self.values
+
+
+class _GraphStep:
+    """`forward` (no arguments: it reads and writes fixed tensors) as a CUDA graph. The first call runs it eagerly
+    on a side stream (the warm-up capture needs, and a real step: a second run would advance the recurrent states
+    twice), then records it, which runs nothing; every later call replays the recording. A forward that cannot be
+    captured (an op that syncs with the host) runs eagerly from then on, with a one-line warning: recording ran
+    nothing, so no state moved."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor]) -> None:
+        self.forward, self.graph, self.logits, self.eager = forward, None, None, False
+
+    def __call__(self) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        if self.eager:
+            return self.forward()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            logits = self.forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        logits.record_stream(torch.cuda.current_stream())  # read there: not free for the side stream until then
+        graph = torch.cuda.CUDAGraph()
+        try:  # thread_local: a sandbox or journal thread's CUDA call elsewhere must not invalidate the capture
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                self.logits = self.forward()
+            self.graph = graph
+        except RuntimeError as failure:
+            warnings.warn(f"the HF engine decodes without CUDA graphs: {str(failure).splitlines()[0]}", stacklevel=2)
+            self.eager = True
+        return logits
 
 
 class _PackedLayer(DynamicLayer):
@@ -213,9 +296,12 @@ class HFEngine:
     one prefill forward."""
 
     def __init__(self, model: Any, *, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
-                 row_caches: bool = True) -> None:
+                 row_caches: bool = True, decode: str = "auto") -> None:
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        self.decode = decode  # the decode loop: see decode_mode
         # row_caches=False: one batched generate_batch call per generate (a rollout with no next turn to keep the
         # rows' caches for; on a small model per-row prefill is mostly per-call overhead).
         self.model, self.prefill_chunk_tokens, self.row_caches = model, prefill_chunk_tokens, row_caches
@@ -290,10 +376,16 @@ class HFEngine:
         stores = [_Store(len(batch), columns) if _attention(layer) else None for layer in template.layers]
         for slot, row in enumerate(batch):
             row.slot, row.start = slot, width - len(row.ids)
+        mode = decode_mode(self.model.device, getattr(self.model.config, "_attn_implementation", None),
+                           row_context=row_context is not None, mode=self.decode)
+        context = row_context or (lambda indices: contextlib.nullcontext())
         with torch.inference_mode():
             self._prefill(batch, stores, row_context)
-            self._decode(batch, template, stores, width, picker, eos, ends_on_stop,
-                         row_context or (lambda indices: contextlib.nullcontext()), remember)
+            if mode == "eager":
+                self._decode(batch, template, stores, width, picker, eos, ends_on_stop, context, remember)
+            else:
+                self._decode_static(batch, template, stores, width, picker, eos, ends_on_stop, context, remember,
+                                    graphs=mode == "graphs")
         if remember:
             for row in batch:
                 if row.ended_by == "stop":
@@ -412,11 +504,7 @@ class HFEngine:
         for row, token in zip(batch, first):
             row.logits = None
             self._append(row, token, eos, ends_on_stop)
-        # Recurrent layers: the rows' states side by side (they are per row until now).
-        recurrent = {index: _combined([row.cache.layers[index] for row in batch], torch.cat)
-                     for index, store in enumerate(stores) if store is None}
-        for row in batch:
-            row.cache = None  # the batch holds every row's state now
+        recurrent = _batch_states(batch, stores)
         columns = width + max(row.limit for row in batch)
         mask = torch.zeros(len(batch), columns, dtype=torch.bool, device=device)
         for row in batch:
@@ -442,19 +530,62 @@ class HFEngine:
                         row.cached += 1
                         self._append(row, token, eos, ends_on_stop)
 
+    def _decode_static(self, batch: list[_Row], template: DynamicCache, stores: list[_Store | None], width: int,
+                       picker: Picker, eos: set[int], ends_on_stop: EndRule | None, context: RowContext,
+                       remember: bool, graphs: bool) -> None:
+        """The static decode (module docstring): every row in every forward, the whole store attended to under a
+        fixed mask, the picked tokens kept on the device in `picked` and read every `SYNC_EVERY` steps."""
+        device, count, steps = self.model.device, len(batch), max(row.limit for row in batch)
+        recurrent = _batch_states(batch, stores)
+        column = torch.tensor([width], device=device)  # where this step's keys go: every context ends at width
+        positions = torch.tensor([[len(row.ids)] for row in batch], device=device)
+        mask = torch.zeros(count, 1, 1, width + steps, dtype=torch.bool, device=device)
+        for row in batch:
+            mask[row.slot, :, :, row.start : width] = True
+        tokens = torch.empty(count, 1, dtype=torch.long, device=device)
+        picked = torch.empty(count, steps, dtype=torch.long, device=device)
+        picked[:, 0] = picker(torch.stack([row.logits for row in batch]))
+        for row in batch:
+            row.logits = None
+        cache = _with_layers(template, [recurrent[index] if store is None else _ColumnLayer(store, column)
+                                        for index, store in enumerate(stores)])
+
+        def forward() -> torch.Tensor:
+            mask.index_fill_(3, column, True)
+            return self._forward(tokens, cache, positions, mask)[:, -1]
+
+        step = _GraphStep(forward) if graphs else forward
+        # A kept recurrent state must be cloned on the step its row ends: it cannot be cut back to that token.
+        every = 1 if remember and ends_on_stop is not None and recurrent else SYNC_EVERY
+        read = 0
+        with context([row.key for row in batch]):
+            for index in range(steps):
+                if index:  # feed each row's last token, pick its next
+                    tokens.copy_(picked[:, index - 1 : index])
+                    picked[:, index] = picker(step())
+                    positions.add_(1)
+                    column.add_(1)
+                if (index + 1) % every and index + 1 < steps:
+                    continue
+                for row, new in zip(batch, picked[:, read : index + 1].tolist()):  # the host sync
+                    for token in new if row.ended_by is None else ():
+                        self._append(row, token, eos, ends_on_stop)
+                        if row.ended_by is not None:
+                            if remember and row.ended_by == "stop":  # its columns up to its last fed token
+                                row.cache = _kept(row.slot, row.start, width + len(row.new) - 1, stores, recurrent,
+                                                  template)
+                            break
+                read = index + 1
+                if all(row.ended_by is not None for row in batch):
+                    break
+
     @staticmethod
     def _leave(row: _Row, active: list[_Row], stores: list[_Store | None], recurrent: dict[int, Any],
                mask: torch.Tensor, template: DynamicCache, end: int, remember: bool) -> None:
         """Take `row` out of the decode batch (keeping its cache where it may serve the row's next turn)."""
         slot, last = row.slot, len(active) - 1
-        if remember and row.ended_by == "stop":
-            layers = [_combined([recurrent[index]], lambda states: states[0][slot : slot + 1].clone())
-                      if store is None else _kv_layer(store.keys[slot : slot + 1, :, row.start : end].clone(),
-                                                      store.values[slot : slot + 1, :, row.start : end].clone())
-                      for index, store in enumerate(stores)]
-            row.cache = _with_layers(template, layers)
-        else:
-            row.cache = None
+        row.cache = _kept(slot, row.start, end, stores, recurrent, template) if remember and row.ended_by == "stop" \
+            else None
         moved = active[last]
         if slot != last:
             for store in stores:
@@ -465,6 +596,27 @@ class HFEngine:
         active.pop()
         for layer in recurrent.values():
             _each_state(layer, lambda tensor: _drop_last(tensor, slot))
+
+
+def _batch_states(batch: list[_Row], stores: list[_Store | None]) -> dict[int, Any]:
+    """The recurrent layers of the decode batch: the rows' states side by side (per row until now, each row's
+    cache released: the batch holds every row's state now)."""
+    recurrent = {index: _combined([row.cache.layers[index] for row in batch], torch.cat)
+                 for index, store in enumerate(stores) if store is None}
+    for row in batch:
+        row.cache = None
+    return recurrent
+
+
+def _kept(slot: int, start: int, end: int, stores: list[_Store | None], recurrent: dict[int, Any],
+          template: DynamicCache) -> DynamicCache:
+    """A copy of batch row `slot`'s cache for its next turn: its attention columns [start, end), its recurrent
+    states as they are now."""
+    layers = [_combined([recurrent[index]], lambda states: states[0][slot : slot + 1].clone())
+              if store is None else _kv_layer(store.keys[slot : slot + 1, :, start:end].clone(),
+                                              store.values[slot : slot + 1, :, start:end].clone())
+              for index, store in enumerate(stores)]
+    return _with_layers(template, layers)
 
 
 def _drop_last(tensor: torch.Tensor, slot: int) -> torch.Tensor:

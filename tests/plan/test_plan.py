@@ -211,14 +211,15 @@ def test_the_vllm_engine_plans_its_own_kv_cache():
     assert not {"KV cache", "kept KV copy"} & {line.what for line in vllm.per_row}
 
 
-def _two_turn_peak(model, rows: int, chunk: int, new: int, observation: int) -> tuple[int, int]:
-    """The measured peak of two turns of copes' HF engine on `rows` ragged rows (every row ends its first turn as
-    on a tool call, so its cache is kept), and the second turn's store columns."""
+def _two_turn_peak(model, rows: int, chunk: int, new: int, observation: int,
+                   decode: str = "eager") -> tuple[int, int]:
+    """The measured peak of two turns of copes' HF engine (its `decode` loop) on `rows` ragged rows (every row ends
+    its first turn as on a tool call, so its cache is kept), and the second turn's store columns."""
     from copes.rollout.hf_engine import HFEngine
 
     torch.manual_seed(1)
     prompts = [torch.randint(0, 4000, (length,)).tolist() for length in (96, 80, 72, 64) * (rows // 4)]
-    engine, keys = HFEngine(model, prefill_chunk_tokens=chunk), list(range(rows))
+    engine, keys = HFEngine(model, prefill_chunk_tokens=chunk, decode=decode), list(range(rows))
     with torch.no_grad(), LiveBytes([*model.parameters(), *model.buffers()]) as live:
         engine.start_rollout()
         first = engine.generate_ids(prompts, [new + 1] * rows, eos=set(), keys=keys, remember=True,
@@ -228,11 +229,13 @@ def _two_turn_peak(model, rows: int, chunk: int, new: int, observation: int) -> 
     return live.peak, max(map(len, context)) + new
 
 
+@pytest.mark.parametrize("decode", ["eager", "static"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", sorted(REDUCED))
-def test_the_hf_engines_two_turn_peak_matches_the_plan(name, dtype):
+def test_the_hf_engines_two_turn_peak_matches_the_plan(name, dtype, decode):
     """Two turns of copes' HF engine (chunked prefill, caches kept across the turns, ragged rows leaving the
-    decode batch) at reduced width, every allocation counted. What each row adds (16 rows against 8) is the
+    decode batch, or under the static decode CUDA runs every row staying in it) at reduced width, every allocation
+    counted. What each row adds (16 rows against 8) is the
     plan's per-row lines (KV store, kept copy, delta-net state, decode step) to 0.7-1.25x (measured 0.76-0.97);
     the whole peak is at most the plan's, which adds the per-call prefill chunk to the rows' peak though the two
     do not coincide (measured 0.72-0.96 of it)."""
@@ -244,7 +247,8 @@ def test_the_hf_engines_two_turn_peak_matches_the_plan(name, dtype):
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     chunk, new, observation = 32, 16, 16
     # At fewer rows the prefill chunk's activations, not the rows' caches, make the peak.
-    (eight, columns), (sixteen, _) = (_two_turn_peak(model, rows, chunk, new, observation) for rows in (8, 16))
+    (eight, columns), (sixteen, _) = (_two_turn_peak(model, rows, chunk, new, observation, decode)
+                                      for rows in (8, 16))
     rollout = RolloutShape(2, 96, new, observation, columns, chunk, True)
     per_row, per_call, _ = _rollout_lines(model_shape(config), rollout, dtype.itemsize)
     row_bytes, call_bytes = sum(line.bytes for line in per_row), sum(line.bytes for line in per_call)

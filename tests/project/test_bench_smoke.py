@@ -219,15 +219,15 @@ def test_gpu_check_dry_run_returns_one_tarball_with_a_summary_per_phase(tmp_path
     assert rollout["rows"] == rollout["plan"]["rows"] and rollout["context_tokens"] > 500
     speed = next(line for line in summaries if line.startswith("== speed"))
     assert "floor" in speed and "headline step" in speed, speed
+    assert "hf eager: " in speed and "hf graphs: " in speed, speed  # the HF engine's static decode timed too
     assert not list(tmp_path.glob("gpu-check.*")), "the work folder outlived the script"
 
 
-def test_the_speed_phases_static_cache_decode_gives_the_hf_engines_tokens() -> None:
-    """#53: the GPU check's speed phase times transformers' static-cache decode (compiled into CUDA graphs on a GPU)
-    beside copes' HF engine; on the CPU in fp32 both give the same greedy tokens, so they time the same work."""
+def test_the_speed_phases_hf_graphs_engine_is_the_hf_engines_static_decode() -> None:
+    """#53: the GPU check's speed phase times "hf graphs", copes' own static decode (replayed as CUDA graphs on a
+    GPU; on the CPU dry run the same decode without graphs), beside "hf eager": in fp32 on the CPU both give the
+    same greedy tokens, so they time the same work."""
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
-
-    from copes.rollout.hf_engine import HFEngine
 
     sys.path.insert(0, str(BENCH_DIR / "device"))
     import gpu_check
@@ -235,8 +235,9 @@ def test_the_speed_phases_static_cache_decode_gives_the_hf_engines_tokens() -> N
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**gpu_check.QWEN35_TINY), dtype=torch.float32).eval()
     prompts = torch.randint(1, 512, (3, 24), generator=torch.Generator().manual_seed(1)).tolist()
-    engine = HFEngine(model)
-    assert gpu_check.static_cache_generate(model, prompts, 10) == engine.generate_ids(prompts, [10] * 3, eos=set())
+    graphs, eager = gpu_check.hf_engine(model, graphs=True), gpu_check.hf_engine(model, graphs=False)
+    assert (graphs.decode, eager.decode) == ("static", "eager")
+    assert graphs.generate_ids(prompts, [10] * 3, eos=set()) == eager.generate_ids(prompts, [10] * 3, eos=set())
 
 
 def test_the_gpu_checks_generation_phase_fails_on_an_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ import torch
 from copes.es.strategies import EGGROLL
 from copes.modeling import load_model
 from copes.rollout.generate import Generation, generate_batch, prompt_token_counts
-from copes.rollout.hf_engine import HFEngine
+from copes.rollout.hf_engine import SYNC_EVERY, HFEngine, decode_mode
 from copes.rollout.templates import (
     ParsedCall,
     parse_tool_calls,
@@ -445,6 +445,10 @@ class ForwardPositions:
     def since(self, mark: int) -> int:
         return sum(self.positions[mark:])
 
+    def prefilled_since(self, mark: int) -> int:
+        """Positions of the forwards since `mark` that were not decodes (one position per row)."""
+        return sum(p for p, width in zip(self.positions[mark:], self.widths[mark:]) if width > 1)
+
 
 def _clean_stop(text: str) -> str:
     """Four characters of `text` that decode cleanly (no partial byte), at their first occurrence."""
@@ -496,15 +500,16 @@ def test_hf_engine_on_the_embedded_model_gives_generate_batch_greedy_tokens():
     assert HFEngine(tiny, prefill_chunk_tokens=2).generate(tiny_tokenizer, prompts, max_new_tokens=limits) == reference
 
 
-def test_a_second_turn_prefills_only_its_new_tokens(char_lm, char_tokenizer):
-    engine, counter = HFEngine(char_lm), ForwardPositions(char_lm)
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_second_turn_prefills_only_its_new_tokens(char_lm, char_tokenizer, decode):
+    engine, counter = HFEngine(char_lm, decode=decode), ForwardPositions(char_lm)
     prompt = "305-49=256\n12+7=19\n1000-999="
     engine.start_rollout()
     first, stop = _stopping_turn(engine, char_lm, char_tokenizer, prompt, row=0)
     context = prompt + first.text + "\n=24\n8*3="  # an observation and the next prompt
     mark = len(counter.positions)
     (second,) = engine.generate(char_tokenizer, [context], max_new_tokens=10, stop_strings=[stop], rows=[0])
-    prefilled = counter.since(mark) - (second.num_tokens - 1)  # each later forward decodes one position
+    prefilled = counter.prefilled_since(mark)
     first_len, context_len = prompt_token_counts(char_tokenizer, [prompt, context])
     # The cache holds the prompt and every generated token but the last, which was never fed.
     assert prefilled == context_len - (first_len + first.num_tokens - 1)
@@ -513,7 +518,7 @@ def test_a_second_turn_prefills_only_its_new_tokens(char_lm, char_tokenizer):
     engine.start_rollout()
     mark = len(counter.positions)
     assert engine.generate(char_tokenizer, [context], max_new_tokens=10, stop_strings=[stop], rows=[0]) == [second]
-    assert counter.since(mark) - (second.num_tokens - 1) == context_len
+    assert counter.prefilled_since(mark) == context_len
 
 
 def test_a_last_turn_reuses_its_cache_but_keeps_none(char_lm, char_tokenizer):
@@ -531,6 +536,64 @@ def test_a_last_turn_reuses_its_cache_but_keeps_none(char_lm, char_tokenizer):
     first_len, context_len = prompt_token_counts(char_tokenizer, [prompt, context])
     assert counter.since(mark) - (last.num_tokens - 1) == context_len - (first_len + first.num_tokens - 1)
     assert last.finished_by == "stop" and engine._states == {}
+
+
+def test_the_static_decode_gives_the_eager_decodes_tokens(lm, tokenizer):
+    """#53: the static decode (what auto runs on CUDA: every row in every forward on the whole preallocated store,
+    tokens read by the host every SYNC_EVERY steps) gives today's eager tokens, greedy, rows of different prompt
+    lengths ending on their limits, a stop string and EOS, with decodes longer than one read."""
+    counter = ForwardPositions(lm)
+    assert min(prompt_token_counts(tokenizer, PROMPTS)) > 1  # a forward of one position per row is a decode
+    limits = [2, SYNC_EVERY + 9, 9, 4]
+    full = generate_batch(lm, tokenizer, PROMPTS, max_new_tokens=16)
+    for stops in ((), [_clean_stop(full[2].text), "</python>"]):
+        mark = len(counter.positions)
+        static = HFEngine(lm, decode="static").generate(tokenizer, PROMPTS, max_new_tokens=limits, stop_strings=stops)
+        decodes = {p for p, width in zip(counter.positions[mark:], counter.widths[mark:]) if width == 1}
+        assert decodes == {len(PROMPTS)}  # every row in every decode forward: fixed shapes
+        eager = HFEngine(lm, decode="eager").generate(tokenizer, PROMPTS, max_new_tokens=limits, stop_strings=stops)
+        assert static == eager
+    assert eager[2].finished_by == "stop"
+    # EOS: a token row 3 generates midway (its own ids, so each engine ends rows on the same rule).
+    ids = [tokenizer(prompt).input_ids for prompt in PROMPTS]
+    eos = {HFEngine(lm, decode="eager").generate_ids(ids, limits, eos=set())[3][2]}
+    ended = HFEngine(lm, decode="static").generate_ids(ids, limits, eos=eos)
+    assert ended == HFEngine(lm, decode="eager").generate_ids(ids, limits, eos=eos)
+    assert len(ended[3]) == 3
+
+
+def test_the_static_decode_keeps_the_eager_decodes_caches(char_lm, char_tokenizer):
+    """#53: a row ending on a stop string keeps what the eager decode keeps: its context's keys and values and, on
+    Qwen3.5, its recurrent states as of its last fed token (the static decode's rows run on past their end until
+    the host reads their tokens; a tiny random model's next turn barely feels a stale state, so compare them)."""
+    prompt = "305-49=256\n12+7=19\n1000-999="
+    kept = []
+    for decode in ("eager", "static"):
+        engine = HFEngine(char_lm, decode=decode)
+        _stopping_turn(engine, char_lm, char_tokenizer, prompt, row=0)
+        kept.append(engine._states[0])
+    (eager_ids, eager), (static_ids, static) = kept
+    assert static_ids == eager_ids
+    for ours, theirs in zip(static.layers, eager.layers):
+        names = ("keys", "values") if hasattr(theirs, "keys") else ("conv_states", "recurrent_states")
+        for name in names:
+            a, b = getattr(ours, name), getattr(theirs, name)
+            for x, y in zip(a.values(), b.values()) if isinstance(a, dict) else [(a, b)]:
+                assert x.shape == y.shape and torch.allclose(x, y, atol=1e-6), name
+
+
+def test_auto_decodes_statically_with_cuda_graphs_on_cuda_only():
+    """#53: the decode loop auto picks (CUDA launches, not compute, are a GPU's cost; a CPU's is the compute)."""
+    assert decode_mode("cuda", "sdpa", row_context=False) == "graphs"
+    assert decode_mode("cuda:0", "sdpa", row_context=True) == "static"  # a row_context's routing is Python
+    assert decode_mode("cpu", "sdpa", row_context=False) == "eager"
+    assert decode_mode("cuda", "eager", row_context=False) == "eager"  # the static mask is sdpa's boolean form
+    assert decode_mode("cpu", "sdpa", row_context=False, mode="static") == "static"
+    for device, attention, mode, message in (("cpu", "sdpa", "graphs", "needs a CUDA device"),
+                                             ("cuda", "eager", "static", "needs sdpa attention"),
+                                             ("cuda", "sdpa", "fast", "decode must be one of")):
+        with pytest.raises(ValueError, match=message):
+            decode_mode(device, attention, row_context=False, mode=mode)
 
 
 def test_finished_rows_stop_costing_compute(lm, tokenizer):
@@ -574,8 +637,9 @@ def test_a_context_that_does_not_extend_the_cache(char_lm, char_tokenizer):
     assert again == generate_batch(char_lm, char_tokenizer, [edited], max_new_tokens=8)[0]
 
 
-def test_hf_engine_sampling_is_seeded_and_leaves_the_global_rng_alone(model, tokenizer):
-    engine = HFEngine(model)
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_hf_engine_sampling_is_seeded_and_leaves_the_global_rng_alone(model, tokenizer, decode):
+    engine = HFEngine(model, decode=decode)
     sample = {"max_new_tokens": 12, "greedy": False, "temperature": 1.5, "top_p": 0.9}
     torch.manual_seed(5)
     expected_next = torch.rand(2)
@@ -588,7 +652,8 @@ def test_hf_engine_sampling_is_seeded_and_leaves_the_global_rng_alone(model, tok
     assert nucleus_of_one == engine.generate(tokenizer, PROMPTS, max_new_tokens=12)
 
 
-def test_hf_engine_routes_every_forward_to_its_rows_members(model, tokenizer):
+@pytest.mark.parametrize("decode", ["eager", "static"])  # static: what CUDA runs under a row_context
+def test_hf_engine_routes_every_forward_to_its_rows_members(model, tokenizer, decode):
     """Under EGGROLL each forward's rows see their own member's weights: the same tokens as `generate_batch`
     with the whole batch routed at once."""
     es = EGGROLL(model, population=3, sigma=0.3, lr=0.01, rank=2, seed=1)
@@ -598,8 +663,8 @@ def test_hf_engine_routes_every_forward_to_its_rows_members(model, tokenizer):
 
     def fitness(m, row_members):
         context = lambda rows: row_members(member_of_row[rows])  # noqa: E731
-        outputs["engine"] = HFEngine(m).generate(tokenizer, PROMPTS, max_new_tokens=limits, rows=[0, 1, 2, 3],
-                                                 row_context=context)
+        outputs["engine"] = HFEngine(m, decode=decode).generate(tokenizer, PROMPTS, max_new_tokens=limits,
+                                                                rows=[0, 1, 2, 3], row_context=context)
         with row_members(member_of_row):
             outputs["reference"] = generate_batch(m, tokenizer, PROMPTS, max_new_tokens=limits)
         return torch.zeros(3)
