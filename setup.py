@@ -43,8 +43,8 @@ setup(
         "math": ["math-verify>=0.7"],
         "search": ["bm25s>=0.2"],
         "hub": ["datasets>=3.0"],
-        "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist>=3.5", "ruff>=0.15", "scipy>=1.11", "triton>=3.4", "trl>=0.20",
-                 "wandb>=0.18"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist>=3.5", "ruff>=0.15", "scipy>=1.11", "triton>=3.4",
+                 "trl>=0.20", "wandb>=0.18"],
         "tensorboard": ["tensorboard>=2.15"],
         # --rollout-engine vllm on CPU (it pins torch 2.13.0+cpu and transformers 5.19; then uninstall the CUDA
         # torchvision it pulls, see the README). On a GPU machine install `vllm` itself instead.
