@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from helpers.cli_runs import (
     assert_same_weights,
@@ -83,21 +84,51 @@ def test_a_live_runs_folder_is_refused_and_sigterm_says_how_to_resume(uninterrup
     assert_resumes_to(uninterrupted, run)
 
 
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def assert_every_checkpoint_as_uninterrupted(uninterrupted: Path, run: Path) -> None:
+    """checkpoints/ holds each step's checkpoint, intact, with the weights the uninterrupted run saved there."""
+    from copes.run.checkpoint import verify_checkpoint
+
+    names = sorted(folder.name for folder in (uninterrupted / "checkpoints").glob("step-*"))
+    assert sorted(folder.name for folder in (run / "checkpoints").glob("step-*")) == names
+    for name in names:
+        verify_checkpoint(run / "checkpoints" / name)
+        assert_same_weights(load_file(str(run / "checkpoints" / name / "model.safetensors")),
+                            load_file(str(uninterrupted / "checkpoints" / name / "model.safetensors")))
+    assert (run / "checkpoints" / "latest").read_text() == (uninterrupted / "checkpoints" / "latest").read_text()
+
+
 @pytest.mark.integration
-def test_a_corrupt_checkpoint_is_skipped_and_one_cut_short_is_written_on_resume(uninterrupted, tmp_path):
-    """Killed mid-way through writing checkpoint 2, with a byte of checkpoint 1 flipped: the resume warns once
-    naming checkpoint 1, rebuilds from the journal, writes checkpoint 2 after all, and ends bitwise."""
+def test_a_corrupt_checkpoint_is_skipped_and_written_again_with_one_cut_short(uninterrupted, tmp_path):
+    """Killed mid-way through writing checkpoint 2, with a byte of the older checkpoint 1 flipped: the resume warns
+    once naming checkpoint 1, rebuilds from the journal, writes checkpoints 1 and 2 again on the way, and ends
+    bitwise with every checkpoint the uninterrupted run has."""
     killed = copes_run(*STEPS, "--output-dir", str(tmp_path), env={"COPES_FAILPOINT": "checkpoint@2"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert (tmp_path / ".copes-lock").is_file()  # left by the killed run: it must not block the resume
-    weights = tmp_path / "checkpoints" / "step-000001" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    weights.write_bytes(bytes(data))
+    flip_a_byte(tmp_path / "checkpoints" / "step-000001" / "model.safetensors")
     resumed = assert_resumes_to(uninterrupted, tmp_path)
     warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "step-000001" in warnings[0] and "corrupt" in warnings[0], resumed.stderr
-    assert (tmp_path / "checkpoints" / "step-000002" / "model.safetensors").is_file()
+    assert_every_checkpoint_as_uninterrupted(uninterrupted, tmp_path)
+
+
+@pytest.mark.integration
+def test_an_older_corrupt_checkpoint_is_written_again_behind_a_newer_intact_one(uninterrupted, tmp_path):
+    """Killed in step 3 with checkpoint 2 intact and a byte of checkpoint 1 flipped: the resume replays from the
+    base model past checkpoint 1 to write it again, and `latest` stays at the newest."""
+    killed = copes_run(*STEPS, "--output-dir", str(tmp_path), env={"COPES_FAILPOINT": "member@10"})  # step 3
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not (tmp_path / "checkpoints" / "step-000003").exists()
+    flip_a_byte(tmp_path / "checkpoints" / "step-000001" / "model.safetensors")
+    resumed = assert_resumes_to(uninterrupted, tmp_path)
+    assert sum(line.startswith("warning:") for line in resumed.stderr.splitlines()) == 1, resumed.stderr
+    assert_every_checkpoint_as_uninterrupted(uninterrupted, tmp_path)
 
 
 @pytest.mark.integration
