@@ -148,15 +148,16 @@ class RunRecord:
         self.journal = RunJournal(run_id, writer)
 
     def resume(self, path: str, model: torch.nn.Module, strategy: Strategy, *, progress: bool,
-               save: Callable[[int], None]) -> int:
+               save: Callable[[int], None], share: Callable[[Any], Any]) -> int:
         """Continue the run journaled in `path` (its newest checkpoint plus a replay of every journaled update
-        after it, `save(step)` writing on the way the checkpoints it lacks); returns the number of steps done."""
+        after it, `save(step)` writing on the way the checkpoints it lacks; `share` hands rank 0's findings to every
+        rank); returns the number of steps done."""
         resumed = open_run(path, self.cfg, model, strategy, writer=self.writer)
         steps_done = resumed.contents.steps_done
         self.journal = resumed.journal
         self.eval_before, self.evals = resumed.contents.eval_before, resumed.contents.evals(steps_done)
-        self.saved_step = rebuild_weights(resumed, self.cfg, model, strategy, save=save, writer=self.writer,
-                                          progress=progress) or None
+        self.saved_step = rebuild_weights(resumed, self.cfg, model, strategy, save=save, share=share,
+                                          writer=self.writer, progress=progress) or None
         if self.writer:  # the journal holds every finished step's metrics record, whatever metrics.jsonl kept
             records = resumed.contents.updates
             ckpt.write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -147,21 +148,27 @@ def open_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, stra
 
 
 def rebuild_weights(resumed: Resumed, cfg: TrainConfig, model: torch.nn.Module, strategy: Strategy, *,
-                    save: Callable[[int], None], writer: bool, progress: bool) -> int:
+                    save: Callable[[int], None], share: Callable[[Any], Any], writer: bool, progress: bool) -> int:
     """Load the run's newest intact checkpoint and replay every journaled update after it, writing on the way the
     checkpoints the run lacks (`save(step)` at each of `RunCheckpoints.missing`; replay then starts from the newest
-    intact checkpoint before the first of them). Returns the step of the newest checkpoint now on disk (0: none)."""
+    intact checkpoint before the first of them). Rank 0 (`writer`) checks the checkpoints and `share`s what it found
+    with the other ranks, which must save at the same steps. Returns the step of the newest checkpoint now on disk
+    (0: none)."""
     contents = resumed.contents
-    checkpoints = RunCheckpoints.of(resumed.run_dir, contents.header["run_id"], contents.steps_done)
-    missing = checkpoints.missing(cfg.checkpoint_every, contents.steps_done)
-    start = checkpoints.start(missing[0] if missing else contents.steps_done)
-    if start:
-        load_checkpoint_into(checkpoints.intact[start], model, strategy)
+    found = None
+    if writer:
+        checkpoints = RunCheckpoints.of(resumed.run_dir, contents.header["run_id"], contents.steps_done)
+        missing = checkpoints.missing(cfg.checkpoint_every, contents.steps_done)
+        start = checkpoints.start(missing[0] if missing else contents.steps_done)
+        found = (missing, start, checkpoints.intact.get(start), max([*checkpoints.intact, *missing], default=0))
+    missing, start, folder, newest = share(found)
+    if folder is not None:
+        load_checkpoint_into(folder, model, strategy)
     if writer:
         ckpt.remove_partial_checkpoints(resumed.run_dir / "checkpoints")
     replay_steps(strategy, contents, start + 1, contents.steps_done, with_members=replays_members(cfg),
                  progress=progress, after=lambda step: save(step) if step in missing else None)
-    return max([*checkpoints.intact, *missing], default=0)
+    return newest
 
 
 def replay_run(run_dir: str | Path, output: str | Path, *, step: int | None = None, device: str | None = None,

@@ -288,7 +288,7 @@ class Trainer:
     def resume(self, path: str) -> None:
         """Continue the run journaled in `path`; members already scored in the step in progress are not rolled out
         again."""
-        self.start_step = self.record.resume(path, self.model, self.strategy, save=self.save,
+        self.start_step = self.record.resume(path, self.model, self.strategy, save=self.save, share=self.share,
                                              progress=self.progress and self.is_main and sys.stderr.isatty())
 
     # ---- the loop --------------------------------------------------------------------------------------------
