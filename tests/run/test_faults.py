@@ -1,10 +1,12 @@
 """Faults driven into real `copes-run` processes from outside (issue #54): a second process on a live run's folder,
-SIGTERM, a corrupt checkpoint and one a crash cut short, a torn journal, a full disk, SIGTERM and a dead rank under
---workers. Each ends in at most two lines and no traceback, and the run then resumes to the weights and metrics of
-an uninterrupted run, bit for bit. docs/durable-run.md lists what the user sees for each."""
+SIGTERM, corrupt checkpoints and one a crash cut short, a torn journal, a full disk, no inode left, a read-only
+folder, SIGTERM and a dead rank under --workers. Each ends in at most two lines and no traceback, and the run then
+resumes to the weights and metrics of an uninterrupted run, bit for bit. docs/durable-run.md lists what the user sees
+for each."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -150,16 +152,29 @@ def test_a_torn_last_journal_record_is_said_by_replay(uninterrupted, tmp_path):
     assert result.stdout.startswith("replayed 2 steps")
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB file system of its own (tmpfs; needs root, as CI has), unmounted afterwards."""
-    folder = tmp_path / "disk"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True)
+def mount(folder: Path, *options: str) -> None:
+    """Mount a tmpfs (or with "--bind", the folder onto itself), or skip: needs root, as CI has."""
+    if not folder.is_dir():
+        folder.mkdir()
+    command = ["mount", *options, str(folder), str(folder)] if "--bind" in options else \
+        ["mount", "-t", "tmpfs", *options, "tmpfs", str(folder)]
+    mounted = subprocess.run(command, capture_output=True)
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=True)
+        pytest.skip(f"cannot mount here: {mounted.stderr.decode().strip()}")
+
+
+@pytest.fixture
+def own_disk(tmp_path):
+    """A file system of its own (a tmpfs of the size and inodes the test gives), unmounted afterwards."""
+    folder = tmp_path / "disk"
+    yield lambda *options: mount(folder, *options) or folder
+    subprocess.run(["umount", "-R", "-l", str(folder)], capture_output=True)
+
+
+@pytest.fixture
+def small_disk(own_disk):
+    """A 4 MiB file system of its own."""
+    return own_disk("-o", "size=4m")
 
 
 def fill(disk: Path, leave_bytes: int) -> Path:
@@ -264,4 +279,74 @@ def test_sigint_and_a_dead_rank_under_workers_say_how_to_resume(uninterrupted, t
     lines = assert_said_in_a_line_or_two(stderr)
     assert f"copes-run --resume {run}" in lines[-1] and "rank 1" in lines[-1], stderr
     assert_gone(list(ranks.values()))
+    assert_resumes_to(uninterrupted, run)
+
+
+def fill_inodes(disk: Path) -> list[Path]:
+    """Empty files in `disk` until it has no inode left (its bytes stay free)."""
+    made = []
+    while True:
+        try:
+            (path := disk / f"inode-{len(made)}").touch()
+        except OSError:
+            return made
+        made.append(path)
+
+
+@pytest.mark.integration
+def test_no_inode_left_stops_the_run_in_one_line_and_resume_ends_bitwise(uninterrupted, own_disk):
+    """Out of inodes while step 2 runs, with bytes to spare: the journal, metrics and samples appends still work,
+    creating checkpoint 2 fails. That stops in one line naming the resume; a resume while no inode is free refuses
+    in one line; once they are freed it ends bitwise, with step 2's samples written once."""
+    disk = own_disk("-o", "size=64m,nr_inodes=400")
+    run = disk / "run"
+    flags = [*STEPS, "--sample-every", "2"]
+    holder = copes_run_in_background(*flags, "--output-dir", str(run), env={"COPES_FAILPOINT": "member@6:SIGSTOP"})
+    try:
+        wait_until_stopped(holder.pid)
+        fillers = fill_inodes(disk)
+        holder.send_signal(signal.SIGCONT)
+        _, stderr = holder.communicate(timeout=120)
+    finally:
+        holder.kill()
+    assert 0 < holder.returncode < 128, stderr
+    [line] = assert_said_in_a_line_or_two(stderr)
+    assert "No space left on device" in line and "step-000002" in line and f"--resume {run}" in line
+    refused = copes_run(*flags, "--resume", str(run))
+    assert 0 < refused.returncode < 128, refused.stderr
+    [line] = assert_said_in_a_line_or_two(refused.stderr)
+    assert "No space left on device" in line and str(run) in line
+    for filler in fillers:
+        filler.unlink()
+    assert_resumes_to(uninterrupted, run, "--sample-every", "2")
+    samples = (run / "samples.jsonl").read_text().splitlines()
+    assert {json.loads(line)["step"] for line in samples} == {2} and len(set(samples)) == len(samples)
+
+
+@pytest.mark.integration
+def test_a_read_only_folder_stops_the_run_in_one_line_and_resume_ends_bitwise(uninterrupted, own_disk):
+    """checkpoints/ turns read-only while step 2 runs (a read-only bind mount: root is refused too), then the whole
+    file system: checkpoint 2's write stops the run in one line naming the resume, a resume refuses in one line,
+    and once the file system is writable again the resume ends bitwise."""
+    disk = own_disk("-o", "size=64m")
+    run = disk / "run"
+    holder = copes_run_in_background(*STEPS, "--output-dir", str(run), env={"COPES_FAILPOINT": "member@6:SIGSTOP"})
+    try:
+        wait_until_stopped(holder.pid)
+        mount(run / "checkpoints", "--bind")
+        mount(run / "checkpoints", "-o", "remount,bind,ro")
+        holder.send_signal(signal.SIGCONT)
+        _, stderr = holder.communicate(timeout=120)
+    finally:
+        holder.kill()
+    assert 0 < holder.returncode < 128, stderr
+    [line] = assert_said_in_a_line_or_two(stderr)
+    assert "Read-only file system" in line and "step-000002" in line and f"--resume {run}" in line
+    subprocess.run(["umount", str(run / "checkpoints")], check=True)
+    mount(disk, "-o", "remount,ro")
+    refused = copes_run(*STEPS, "--resume", str(run))
+    assert 0 < refused.returncode < 128, refused.stderr
+    [line] = assert_said_in_a_line_or_two(refused.stderr)
+    assert "Read-only file system" in line and str(run) in line
+    mount(disk, "-o", "remount,rw")
     assert_resumes_to(uninterrupted, run)
