@@ -153,8 +153,8 @@ def test_a_torn_last_journal_record_is_said_by_replay(uninterrupted, tmp_path):
 
 
 def mount(folder: Path, *options: str) -> None:
-    """Mount a tmpfs (or with "--bind", the folder onto itself), or skip: needs root, as CI has."""
-    if not folder.is_dir():
+    """Mount a tmpfs (or with "--bind", the file or folder onto itself), or skip: needs root, as CI has."""
+    if not folder.exists():
         folder.mkdir()
     command = ["mount", *options, str(folder), str(folder)] if "--bind" in options else \
         ["mount", "-t", "tmpfs", *options, "tmpfs", str(folder)]
@@ -323,26 +323,35 @@ def test_no_inode_left_stops_the_run_in_one_line_and_resume_ends_bitwise(uninter
     assert {json.loads(line)["step"] for line in samples} == {2} and len(set(samples)) == len(samples)
 
 
+def made_read_only_while_stopped(process: subprocess.Popen, path: Path) -> str:
+    """Let `process`, stopped at its failpoint, go on with `path` (a file or folder of its run) on a read-only bind
+    mount (root is refused too); its stderr once it ended, the mount removed."""
+    try:
+        wait_until_stopped(process.pid)
+        mount(path, "--bind")
+        mount(path, "-o", "remount,bind,ro")
+        process.send_signal(signal.SIGCONT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+        subprocess.run(["umount", str(path)], capture_output=True)
+    return stderr
+
+
 @pytest.mark.integration
 def test_a_read_only_folder_stops_the_run_in_one_line_and_resume_ends_bitwise(uninterrupted, own_disk):
-    """checkpoints/ turns read-only while step 2 runs (a read-only bind mount: root is refused too), then the whole
-    file system: checkpoint 2's write stops the run in one line naming the resume, a resume refuses in one line,
-    and once the file system is writable again the resume ends bitwise."""
+    """metrics.jsonl turns read-only while step 2 runs, then checkpoints/ while the resume runs step 3, then the
+    whole file system: each write stops the run in one line naming the file and the resume, a resume refuses in one
+    line, and once the file system is writable again the resume ends bitwise, with checkpoint 2 written after all."""
     disk = own_disk("-o", "size=64m")
     run = disk / "run"
-    holder = copes_run_in_background(*STEPS, "--output-dir", str(run), env={"COPES_FAILPOINT": "member@6:SIGSTOP"})
-    try:
-        wait_until_stopped(holder.pid)
-        mount(run / "checkpoints", "--bind")
-        mount(run / "checkpoints", "-o", "remount,bind,ro")
-        holder.send_signal(signal.SIGCONT)
-        _, stderr = holder.communicate(timeout=120)
-    finally:
-        holder.kill()
-    assert 0 < holder.returncode < 128, stderr
-    [line] = assert_said_in_a_line_or_two(stderr)
-    assert "Read-only file system" in line and "step-000002" in line and f"--resume {run}" in line
-    subprocess.run(["umount", str(run / "checkpoints")], check=True)
+    for flags, stop_at, path, file in [(["--output-dir", str(run)], "member@6", run / "metrics.jsonl", "metrics.jsonl"),
+                                       (["--resume", str(run)], "member@2", run / "checkpoints", "step-000003")]:
+        process = copes_run_in_background(*STEPS, *flags, env={"COPES_FAILPOINT": f"{stop_at}:SIGSTOP"})
+        stderr = made_read_only_while_stopped(process, path)
+        assert 0 < process.returncode < 128, stderr
+        [line] = assert_said_in_a_line_or_two(stderr)
+        assert "Read-only file system" in line and file in line and f"--resume {run}" in line
     mount(disk, "-o", "remount,ro")
     refused = copes_run(*STEPS, "--resume", str(run))
     assert 0 < refused.returncode < 128, refused.stderr
@@ -350,3 +359,4 @@ def test_a_read_only_folder_stops_the_run_in_one_line_and_resume_ends_bitwise(un
     assert "Read-only file system" in line and str(run) in line
     mount(disk, "-o", "remount,rw")
     assert_resumes_to(uninterrupted, run)
+    assert_every_checkpoint_as_uninterrupted(uninterrupted, run)
