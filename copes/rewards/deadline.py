@@ -14,7 +14,6 @@ instead abandoned until `resume()` (a hanging reward then costs one timeout per 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import multiprocessing
 import os
@@ -23,11 +22,12 @@ import select
 import struct
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from copes.user_code import OutputCap
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0  # a fresh worker imports the target's module (sympy, a user's libraries) first
 _HEADER = struct.Struct("<Q")
@@ -101,51 +101,18 @@ def _serve(read_fd: int, write_fd: int, target: str | bytes | Callable[..., Any]
         _send(write_fd, ("error", f"{type(error).__name__}: {error}"))
         return
     _send(write_fd, ("ready", None))
-    said_cap = [False]
+    output = OutputCap("a reward")
     while True:
         try:
             args, kwargs = _receive(read_fd)
         except EOFError:
             return
         try:
-            with _capped_output(said_cap):
+            with output.process():
                 answer = ("ok", function(*args, **kwargs))
             _send(write_fd, answer)
         except Exception as error:  # noqa: BLE001 - user code's failure (or an unpicklable answer) is that call's
             _send(write_fd, ("error", f"{type(error).__name__}: {error}"))
-
-
-# What a call may print (its stdout and stderr together); the rest is dropped, said once per worker. A reward that
-# prints a MiB a call flooded the terminal with 16 MiB in 3 small steps.
-OUTPUT_CAP_BYTES = 2048
-
-
-@contextlib.contextmanager
-def _capped_output(said_cap: list[bool]) -> Iterator[None]:
-    """Run a call with its fds 1 and 2 pointed at a temporary file (of one call's output), then pass the first
-    OUTPUT_CAP_BYTES on to stderr; `said_cap` holds whether the cap was said already."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    saved = os.dup(1), os.dup(2)
-    with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 1)
-        os.dup2(capture.fileno(), 2)
-        try:
-            yield
-        finally:
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for descriptor in saved:
-                os.close(descriptor)
-            printed = capture.seek(0, os.SEEK_END)
-            capture.seek(0)
-            os.write(2, capture.read(OUTPUT_CAP_BYTES))
-            if printed > OUTPUT_CAP_BYTES and not said_cap[0]:
-                said_cap[0] = True
-                os.write(2, f"\nnote: a reward printed {printed} bytes in one call; only the first "
-                            f"{OUTPUT_CAP_BYTES} of each call are shown\n".encode())
 
 
 def serve_stdio() -> None:

@@ -4,7 +4,8 @@ Layout of `<output_dir>/checkpoints/step-000010/`: the model through `save_pretr
 `AutoModelForCausalLM.from_pretrained` and vLLM), the tokenizer, `es_state.safetensors` + `es_state.json` (the
 strategy's tensors and plain values), `trainer_state.json` (step, config, metrics so far) and `MANIFEST.json`
 (sha256 of every file). `checkpoints/latest` names the newest complete checkpoint; it is replaced atomically last,
-so a crash at any point leaves the previous checkpoint current.
+so a crash at any point leaves the previous checkpoint current. Resume writes again the checkpoints a crash cut short
+or that are corrupt (`copes.run.replay.rebuild_weights`), older ones included: `latest` never moves back.
 
 Checkpoints are exports: a run's durability rests on its journal (`copes.run.journal`). Resume starts from the newest
 intact checkpoint that carries the journal's `run_id` in trainer_state.json, only to shorten the replay.
@@ -116,7 +117,9 @@ def save_checkpoint(
     _fsync_tree(staging)
     shutil.rmtree(final, ignore_errors=True)  # a re-run of the same step replaces its own old copy
     os.replace(staging, final)
-    write_text_atomic(root / LATEST, name)
+    current = root / LATEST
+    if not current.is_file() or current.read_text(encoding="utf-8").strip() <= name:  # an older one written again
+        write_text_atomic(current, name)  # on resume leaves `latest` at the newest
     return final
 
 
@@ -149,9 +152,11 @@ def verify_checkpoint(folder: Path) -> None:
             raise UserError(f"checkpoint {folder} is corrupt: {name} is missing or does not match its checksum")
 
 
-def load_checkpoint(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Verified (es_state, trainer_state) of a checkpoint; the model itself loads through from_pretrained."""
-    verify_checkpoint(folder)
+def load_checkpoint(folder: Path, *, verified: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(es_state, trainer_state) of a checkpoint, verified first unless it was; the model itself loads through
+    from_pretrained."""
+    if not verified:
+        verify_checkpoint(folder)
     skeleton = json.loads((folder / "es_state.json").read_text(encoding="utf-8"))
     es_state = unflatten_state(skeleton, load_file(str(folder / "es_state.safetensors")))
     trainer_state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))

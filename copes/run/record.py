@@ -28,7 +28,7 @@ from copes.es.strategies.base import Strategy
 from copes.run import checkpoint as ckpt
 from copes.run.journal import JOURNAL_NAME, JournalWriter, RunJournal, build_header, journal_path
 from copes.run.metrics import MetricsLog, log_table, plot_curves, start_wandb
-from copes.run.replay import resume_run
+from copes.run.replay import open_run, rebuild_weights
 from copes.run.samples import SAMPLES_FILE, RolloutSamples
 from copes.tasks import Example
 
@@ -147,13 +147,17 @@ class RunRecord:
             writer = JournalWriter.create(journal_path(self.out), header)
         self.journal = RunJournal(run_id, writer)
 
-    def resume(self, path: str, model: torch.nn.Module, strategy: Strategy, *, progress: bool) -> int:
+    def resume(self, path: str, model: torch.nn.Module, strategy: Strategy, *, progress: bool,
+               save: Callable[[int], None], share: Callable[[Any], Any]) -> int:
         """Continue the run journaled in `path` (its newest checkpoint plus a replay of every journaled update
-        after it); returns the number of steps done."""
-        resumed = resume_run(path, self.cfg, model, strategy, writer=self.writer, progress=progress)
+        after it, `save(step)` writing on the way the checkpoints it lacks; `share` hands rank 0's findings to every
+        rank); returns the number of steps done."""
+        resumed = open_run(path, self.cfg, model, strategy, writer=self.writer)
         steps_done = resumed.contents.steps_done
-        self.journal, self.saved_step = resumed.journal, resumed.checkpoint_step
+        self.journal = resumed.journal
         self.eval_before, self.evals = resumed.contents.eval_before, resumed.contents.evals(steps_done)
+        self.saved_step = rebuild_weights(resumed, self.cfg, model, strategy, save=save, share=share,
+                                          writer=self.writer, progress=progress) or None
         if self.writer:  # the journal holds every finished step's metrics record, whatever metrics.jsonl kept
             records = resumed.contents.updates
             ckpt.write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
@@ -182,7 +186,8 @@ class RunRecord:
 
     def save(self, step: int, model: torch.nn.Module, tokenizer: Any, strategy: Strategy) -> None:
         if self.writer:
-            state = {"step": step, "config": self.cfg.to_dict(), "eval_before": self.eval_before, "evals": self.evals,
+            state = {"step": step, "config": self.cfg.to_dict(), "eval_before": self.eval_before,
+                     "evals": [record for record in self.evals if record["step"] <= step],  # one written on resume
                      "run_id": self.journal.run_id}
             ckpt.save_checkpoint(self.out / "checkpoints", step, model=model, tokenizer=tokenizer,
                                  es_state=strategy.state_dict(), trainer_state=state)

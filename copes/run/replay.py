@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,9 @@ def replay_member(strategy: Strategy, member: int, rewards: torch.Tensor) -> Non
 
 
 def replay_steps(strategy: Strategy, contents: JournalContents, first: int, last: int, *, with_members: bool,
-                 progress: bool) -> None:
-    """Apply the journaled updates of steps first..last (counted from 1) to a strategy that completed first - 1."""
+                 progress: bool, after: Callable[[int], None] = lambda step: None) -> None:
+    """Apply the journaled updates of steps first..last (counted from 1) to a strategy that completed first - 1,
+    calling `after(step)` once each is applied."""
     for step in tqdm(range(first, last + 1), desc="replaying journal", disable=not progress, leave=False):
         rewards = contents.rewards_of(step)
         if with_members:
@@ -59,6 +61,7 @@ def replay_steps(strategy: Strategy, contents: JournalContents, first: int, last
         if norm != journaled:
             raise ConfigError(f"{contents.path}: replaying step {step} gave update norm {norm!r}, the run recorded "
                               f"{journaled!r}: it ran on another device or backend, or another copes version")
+        after(step)
 
 
 def say_torn_tail(contents: JournalContents) -> None:
@@ -69,55 +72,67 @@ def say_torn_tail(contents: JournalContents) -> None:
 
 
 @dataclass
-class Checkpoint:
-    step: int
-    folder: Path
-    es_state: dict[str, Any]
+class RunCheckpoints:
+    """This run's checkpoints (a previous run's in the same folder are ignored), each verified against its
+    checksums: the intact ones by step, and the steps of those found corrupt (each said in one warning line)."""
+    intact: dict[int, Path]
+    corrupt: set[int]
+
+    @classmethod
+    def of(cls, run_dir: Path, run_id: str, steps_done: int) -> RunCheckpoints:
+        intact: dict[int, Path] = {}
+        corrupt: set[int] = set()
+        for folder in sorted((run_dir / "checkpoints").glob("step-*"), reverse=True):
+            try:  # cheap look first: only this run's checkpoints are worth verifying
+                state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                state = {}
+            if state.get("run_id") != run_id:
+                continue
+            try:
+                ckpt.verify_checkpoint(folder)
+            except UserError as error:  # a flipped byte, a missing file: the journal rebuilds the step anyway
+                tqdm.write(f"warning: {error}; skipping it (an older checkpoint or the journal rebuilds its weights)",
+                           file=sys.stderr)
+                corrupt.add(state["step"])
+                continue
+            if state["step"] > steps_done:
+                raise ConfigError(f"{run_dir}: checkpoint step {state['step']} is newer than the journal's last "
+                                  f"update (step {steps_done}): the journal lost records")
+            intact[state["step"]] = folder
+        return cls(intact, corrupt)
+
+    def missing(self, checkpoint_every: int, steps_done: int) -> list[int]:
+        """The steps to write again while replaying: each --checkpoint-every step with no intact checkpoint (a crash
+        cut it short, or it is corrupt), and every other corrupt one."""
+        due = set(range(checkpoint_every, steps_done + 1, checkpoint_every)) if checkpoint_every else set()
+        return sorted(step for step in (due | self.corrupt) - self.intact.keys() if step <= steps_done)
+
+    def start(self, before: int) -> int:
+        """The step of the newest intact checkpoint at or before `before` (0: the base model)."""
+        return max((step for step in self.intact if step <= before), default=0)
 
 
-def newest_checkpoint(run_dir: Path, run_id: str, steps_done: int) -> Checkpoint | None:
-    """The newest complete, intact checkpoint this run wrote (a previous run's in the same folder are ignored)."""
-    candidates = sorted((run_dir / "checkpoints").glob("step-*"), reverse=True)
-    for folder in candidates:
-        try:  # cheap look first: only this run's checkpoints are worth verifying
-            state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            state = {}
-        if state.get("run_id") != run_id:
-            continue
-        try:
-            es_state, state = ckpt.load_checkpoint(folder)
-        except UserError as error:  # a flipped byte, a missing file: the journal rebuilds the step anyway
-            tqdm.write(f"warning: {error}; skipping it (an older checkpoint or the journal rebuilds its weights)",
-                       file=sys.stderr)
-            continue
-        if state["step"] > steps_done:
-            raise ConfigError(f"{run_dir}: checkpoint step {state['step']} is newer than the journal's last update "
-                              f"(step {steps_done}): the journal lost records")
-        return Checkpoint(step=state["step"], folder=folder, es_state=es_state)
-    return None
-
-
-def load_checkpoint_into(checkpoint: Checkpoint, model: torch.nn.Module, strategy: Strategy) -> None:
-    weights = type(model).from_pretrained(checkpoint.folder, dtype=model.dtype).state_dict()
+def load_checkpoint_into(folder: Path, model: torch.nn.Module, strategy: Strategy) -> None:
+    weights = type(model).from_pretrained(folder, dtype=model.dtype).state_dict()
     # A parameter kept wider than the model's dtype (the vLLM engine's fp32 A_log) comes back at its own precision.
     wider = {name for name, param in model.named_parameters() if param.dtype != model.dtype}
-    weights.update(stored_tensors(checkpoint.folder, wider))
+    weights.update(stored_tensors(folder, wider))
     model.load_state_dict(weights, strict=False)
-    strategy.load_state_dict(checkpoint.es_state)
+    strategy.load_state_dict(ckpt.load_checkpoint(folder, verified=True)[0])
 
 
 @dataclass
 class Resumed:
     journal: RunJournal
     contents: JournalContents
-    checkpoint_step: int | None  # the step of the checkpoint replay started from (None: the base model)
+    run_dir: Path
 
 
-def resume_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, strategy: Strategy, *, writer: bool,
-               progress: bool) -> Resumed:
-    """Check the journal against this run, load its newest checkpoint (or keep the base model, which the model
-    must still be), replay every journaled update after it, and open the journal for appending (`writer`: rank 0)."""
+def open_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, strategy: Strategy, *,
+             writer: bool) -> Resumed:
+    """Check the journal against this run (the model must still be the base model) and open it for appending
+    (`writer`: rank 0); `rebuild_weights` then brings the weights to its last step."""
     run_dir = Path(run_dir)
     contents = read_journal(run_dir)
     if writer:
@@ -125,19 +140,35 @@ def resume_run(run_dir: str | Path, cfg: TrainConfig, model: torch.nn.Module, st
     check_same_run(run_dir, contents.header, cfg)
     check_same_model(run_dir, contents.header, model, strategy)
     check_same_data(run_dir, contents.header)
-    checkpoint = newest_checkpoint(run_dir, contents.header["run_id"], contents.steps_done)
-    if checkpoint is not None:
-        load_checkpoint_into(checkpoint, model, strategy)
-    start = checkpoint.step if checkpoint else 0
-    replay_steps(strategy, contents, start + 1, contents.steps_done, with_members=replays_members(cfg),
-                 progress=progress)
-    if writer:
-        ckpt.remove_partial_checkpoints(run_dir / "checkpoints")
     next_step = contents.steps_done + 1
     journal = RunJournal(contents.header["run_id"],
                          JournalWriter(contents.path, keep_bytes=contents.valid_bytes) if writer else None,
                          {next_step: dict(contents.members.get(next_step, {}))})
-    return Resumed(journal=journal, contents=contents, checkpoint_step=checkpoint.step if checkpoint else None)
+    return Resumed(journal=journal, contents=contents, run_dir=run_dir)
+
+
+def rebuild_weights(resumed: Resumed, cfg: TrainConfig, model: torch.nn.Module, strategy: Strategy, *,
+                    save: Callable[[int], None], share: Callable[[Any], Any], writer: bool, progress: bool) -> int:
+    """Load the run's newest intact checkpoint and replay every journaled update after it, writing on the way the
+    checkpoints the run lacks (`save(step)` at each of `RunCheckpoints.missing`; replay then starts from the newest
+    intact checkpoint before the first of them). Rank 0 (`writer`) checks the checkpoints and `share`s what it found
+    with the other ranks, which must save at the same steps. Returns the step of the newest checkpoint now on disk
+    (0: none)."""
+    contents = resumed.contents
+    found = None
+    if writer:
+        checkpoints = RunCheckpoints.of(resumed.run_dir, contents.header["run_id"], contents.steps_done)
+        missing = checkpoints.missing(cfg.checkpoint_every, contents.steps_done)
+        start = checkpoints.start(missing[0] if missing else contents.steps_done)
+        found = (missing, start, checkpoints.intact.get(start), max([*checkpoints.intact, *missing], default=0))
+    missing, start, folder, newest = share(found)
+    if folder is not None:
+        load_checkpoint_into(folder, model, strategy)
+    if writer:
+        ckpt.remove_partial_checkpoints(resumed.run_dir / "checkpoints")
+    replay_steps(strategy, contents, start + 1, contents.steps_done, with_members=replays_members(cfg),
+                 progress=progress, after=lambda step: save(step) if step in missing else None)
+    return newest
 
 
 def replay_run(run_dir: str | Path, output: str | Path, *, step: int | None = None, device: str | None = None,

@@ -288,11 +288,8 @@ class Trainer:
     def resume(self, path: str) -> None:
         """Continue the run journaled in `path`; members already scored in the step in progress are not rolled out
         again."""
-        self.start_step = self.record.resume(path, self.model, self.strategy,
+        self.start_step = self.record.resume(path, self.model, self.strategy, save=self.save, share=self.share,
                                              progress=self.progress and self.is_main and sys.stderr.isatty())
-        every, done = self.cfg.checkpoint_every, self.start_step
-        if every and done and done % every == 0 and self.record.saved_step != done:
-            self.save(done)  # a crash cut this step's checkpoint short (or it was corrupt): the weights are here now
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:

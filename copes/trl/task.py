@@ -6,7 +6,8 @@ tools and environments inside copes' agent loop (copes.ESTrainer's data side).
   column travels with the row and reaches each reward function as a keyword list.
 - Rewards (`TRLRewards`): `f(prompts=, completions=, completion_ids=, trainer_state=, log_extra=, log_metric=,
   [environments=,] **columns) -> list[float | None]`; completions are strings (standard) or one-message assistant
-  lists (conversational); async functions run to completion; `None` is NaN. A completion's reward is TRL's: the
+  lists (conversational); async functions run to completion; `None` is NaN; what a call prints is capped (tools' too,
+  `copes.user_code.OutputCap`). A completion's reward is TRL's: the
   weighted sum of the functions that scored it (`nansum`), NaN (invalid) only when none did.
 - Tools: a function with type hints and a Google-style docstring (transformers' `get_json_schema`); a call past
   `tool_timeout_s` becomes an observation saying it timed out. Environments: one `environment_factory()` instance
@@ -34,6 +35,7 @@ from copes.errors import ConfigError
 from copes.rewards import extract_answer
 from copes.rewards.functions import REWARD_NAMES, builtin_reward
 from copes.tasks.base import Example, Score, TaskBase, batch_used_tools
+from copes.user_code import OutputCap
 
 CORRECT_AT = 1.0  # the first reward's value from which a rollout counts as correct (held-out accuracy)
 
@@ -91,8 +93,9 @@ class TRLRewards:
         """[rows][functions] of rewards, NaN where a function returned None."""
         per_function = []
         for name, function in zip(self.names, self.functions):
-            result = _run(function(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                                   **columns, **extra, log_extra=self.log_extra, log_metric=self.log_metric))
+            with REWARD_OUTPUT.this_thread():
+                result = _run(function(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                       **columns, **extra, log_extra=self.log_extra, log_metric=self.log_metric))
             if not isinstance(result, (list, tuple)) or len(result) != len(prompts):
                 raise ConfigError(f"the reward function {name!r} returned {str(result)[:60]}, not one reward per "
                                   f"completion ({len(prompts)})")
@@ -143,16 +146,25 @@ def _is_module(value: Any) -> bool:
     return any(cls.__name__ == "Module" and cls.__module__.startswith("torch.nn") for cls in type(value).__mro__)
 
 
+# What a user's tool or reward function prints, per call: calls run in this process, several at once.
+TOOL_OUTPUT, REWARD_OUTPUT = OutputCap("a tool"), OutputCap("a reward")
+
+
 def call_within(seconds: float, name: str, call: Callable[[], Any]) -> str:
     """`call()`'s result as text, or an observation saying it timed out once `seconds` pass (0: no limit). The call
-    runs on a daemon thread: one that never returns is left behind without holding up the rollout or the exit."""
+    runs on a daemon thread: one that never returns is left behind without holding up the rollout or the exit. What
+    it prints is capped (TOOL_OUTPUT)."""
+    def observation() -> str:
+        with TOOL_OUTPUT.this_thread():  # the thread that runs the tool, whichever it is
+            return str(_run(call()))
+
     if not seconds:
-        return str(_run(call()))
+        return observation()
     outcome: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            outcome["observation"] = str(_run(call()))
+            outcome["observation"] = observation()
         except Exception as error:  # noqa: BLE001 - raised again in the caller, which turns it into an observation
             outcome["error"] = error
 

@@ -136,5 +136,5 @@ def test_copes_run_and_copes_train_read_the_same_model_preset():
     through_cli = _config(None, {"task": "arithmetic", "steps": 3})
     through_python = config_with_preset({"task": "arithmetic", "steps": 3})
     assert through_cli == through_python
-    assert (through_python.sigma, through_python.population, through_python.budget_hours) == (0.01, 40, 0.5)
+    assert (through_python.sigma, through_python.population, through_python.budget_hours) == (0.01, 40, 2)
     assert config_with_preset({"budget_hours": 1.0}).budget_hours == 1.0

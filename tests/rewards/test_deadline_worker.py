@@ -105,8 +105,8 @@ def _loud(completions, **columns):
 
 def test_a_reward_that_prints_a_mib_a_call_shows_only_the_cap_said_once(capfd: pytest.CaptureFixture) -> None:
     """Issue #54: a loud reward flooded the terminal (16 MiB in 3 small steps): each call's output is capped."""
-    from copes.rewards.deadline import OUTPUT_CAP_BYTES
     from copes.rewards.functions import WorkerReward
+    from copes.user_code import OUTPUT_CAP_BYTES
 
     reward = WorkerReward(_loud)
     try:

@@ -19,7 +19,7 @@ def reference_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference")
     result = copes_run("--steps", "4", "--checkpoint-every", "1", "--output-dir", str(out))
     assert result.returncode == 0, result.stderr
-    assert " budget=30min -> " in result.stdout  # the embedded model's time budget (a hang guard), said at start
+    assert " budget=120min -> " in result.stdout  # the embedded model's time budget (a hang guard), said at start
     return out
 
 

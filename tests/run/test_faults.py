@@ -1,10 +1,12 @@
 """Faults driven into real `copes-run` processes from outside (issue #54): a second process on a live run's folder,
-SIGTERM, a corrupt checkpoint and one a crash cut short, a torn journal, a full disk, SIGTERM and a dead rank under
---workers. Each ends in at most two lines and no traceback, and the run then resumes to the weights and metrics of
-an uninterrupted run, bit for bit. docs/durable-run.md lists what the user sees for each."""
+SIGTERM, corrupt checkpoints and one a crash cut short, a torn journal, a full disk, no inode left, a read-only
+folder, SIGTERM and a dead rank under --workers. Each ends in at most two lines and no traceback, and the run then
+resumes to the weights and metrics of an uninterrupted run, bit for bit. docs/durable-run.md lists what the user sees
+for each."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from helpers.cli_runs import (
     assert_same_weights,
@@ -83,21 +86,51 @@ def test_a_live_runs_folder_is_refused_and_sigterm_says_how_to_resume(uninterrup
     assert_resumes_to(uninterrupted, run)
 
 
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def assert_every_checkpoint_as_uninterrupted(uninterrupted: Path, run: Path) -> None:
+    """checkpoints/ holds each step's checkpoint, intact, with the weights the uninterrupted run saved there."""
+    from copes.run.checkpoint import verify_checkpoint
+
+    names = sorted(folder.name for folder in (uninterrupted / "checkpoints").glob("step-*"))
+    assert sorted(folder.name for folder in (run / "checkpoints").glob("step-*")) == names
+    for name in names:
+        verify_checkpoint(run / "checkpoints" / name)
+        assert_same_weights(load_file(str(run / "checkpoints" / name / "model.safetensors")),
+                            load_file(str(uninterrupted / "checkpoints" / name / "model.safetensors")))
+    assert (run / "checkpoints" / "latest").read_text() == (uninterrupted / "checkpoints" / "latest").read_text()
+
+
 @pytest.mark.integration
-def test_a_corrupt_checkpoint_is_skipped_and_one_cut_short_is_written_on_resume(uninterrupted, tmp_path):
-    """Killed mid-way through writing checkpoint 2, with a byte of checkpoint 1 flipped: the resume warns once
-    naming checkpoint 1, rebuilds from the journal, writes checkpoint 2 after all, and ends bitwise."""
+def test_a_corrupt_checkpoint_is_skipped_and_written_again_with_one_cut_short(uninterrupted, tmp_path):
+    """Killed mid-way through writing checkpoint 2, with a byte of the older checkpoint 1 flipped: the resume warns
+    once naming checkpoint 1, rebuilds from the journal, writes checkpoints 1 and 2 again on the way, and ends
+    bitwise with every checkpoint the uninterrupted run has."""
     killed = copes_run(*STEPS, "--output-dir", str(tmp_path), env={"COPES_FAILPOINT": "checkpoint@2"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert (tmp_path / ".copes-lock").is_file()  # left by the killed run: it must not block the resume
-    weights = tmp_path / "checkpoints" / "step-000001" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    weights.write_bytes(bytes(data))
+    flip_a_byte(tmp_path / "checkpoints" / "step-000001" / "model.safetensors")
     resumed = assert_resumes_to(uninterrupted, tmp_path)
     warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "step-000001" in warnings[0] and "corrupt" in warnings[0], resumed.stderr
-    assert (tmp_path / "checkpoints" / "step-000002" / "model.safetensors").is_file()
+    assert_every_checkpoint_as_uninterrupted(uninterrupted, tmp_path)
+
+
+@pytest.mark.integration
+def test_an_older_corrupt_checkpoint_is_written_again_behind_a_newer_intact_one(uninterrupted, tmp_path):
+    """Killed in step 3 with checkpoint 2 intact and a byte of checkpoint 1 flipped: the resume replays from the
+    base model past checkpoint 1 to write it again, and `latest` stays at the newest."""
+    killed = copes_run(*STEPS, "--output-dir", str(tmp_path), env={"COPES_FAILPOINT": "member@10"})  # step 3
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not (tmp_path / "checkpoints" / "step-000003").exists()
+    flip_a_byte(tmp_path / "checkpoints" / "step-000001" / "model.safetensors")
+    resumed = assert_resumes_to(uninterrupted, tmp_path)
+    assert sum(line.startswith("warning:") for line in resumed.stderr.splitlines()) == 1, resumed.stderr
+    assert_every_checkpoint_as_uninterrupted(uninterrupted, tmp_path)
 
 
 @pytest.mark.integration
@@ -119,16 +152,29 @@ def test_a_torn_last_journal_record_is_said_by_replay(uninterrupted, tmp_path):
     assert result.stdout.startswith("replayed 2 steps")
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB file system of its own (tmpfs; needs root, as CI has), unmounted afterwards."""
-    folder = tmp_path / "disk"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True)
+def mount(folder: Path, *options: str) -> None:
+    """Mount a tmpfs (or with "--bind", the file or folder onto itself), or skip: needs root, as CI has."""
+    if not folder.exists():
+        folder.mkdir()
+    command = ["mount", *options, str(folder), str(folder)] if "--bind" in options else \
+        ["mount", "-t", "tmpfs", *options, "tmpfs", str(folder)]
+    mounted = subprocess.run(command, capture_output=True)
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=True)
+        pytest.skip(f"cannot mount here: {mounted.stderr.decode().strip()}")
+
+
+@pytest.fixture
+def own_disk(tmp_path):
+    """A file system of its own (a tmpfs of the size and inodes the test gives), unmounted afterwards."""
+    folder = tmp_path / "disk"
+    yield lambda *options: mount(folder, *options) or folder
+    subprocess.run(["umount", "-R", "-l", str(folder)], capture_output=True)
+
+
+@pytest.fixture
+def small_disk(own_disk):
+    """A 4 MiB file system of its own."""
+    return own_disk("-o", "size=4m")
 
 
 def fill(disk: Path, leave_bytes: int) -> Path:
@@ -234,3 +280,83 @@ def test_sigint_and_a_dead_rank_under_workers_say_how_to_resume(uninterrupted, t
     assert f"copes-run --resume {run}" in lines[-1] and "rank 1" in lines[-1], stderr
     assert_gone(list(ranks.values()))
     assert_resumes_to(uninterrupted, run)
+
+
+def fill_inodes(disk: Path) -> list[Path]:
+    """Empty files in `disk` until it has no inode left (its bytes stay free)."""
+    made = []
+    while True:
+        try:
+            (path := disk / f"inode-{len(made)}").touch()
+        except OSError:
+            return made
+        made.append(path)
+
+
+@pytest.mark.integration
+def test_no_inode_left_stops_the_run_in_one_line_and_resume_ends_bitwise(uninterrupted, own_disk):
+    """Out of inodes while step 2 runs, with bytes to spare: the journal, metrics and samples appends still work,
+    creating checkpoint 2 fails. That stops in one line naming the resume; a resume while no inode is free refuses
+    in one line; once they are freed it ends bitwise, with step 2's samples written once."""
+    disk = own_disk("-o", "size=64m,nr_inodes=400")
+    run = disk / "run"
+    flags = [*STEPS, "--sample-every", "2"]
+    holder = copes_run_in_background(*flags, "--output-dir", str(run), env={"COPES_FAILPOINT": "member@6:SIGSTOP"})
+    try:
+        wait_until_stopped(holder.pid)
+        fillers = fill_inodes(disk)
+        holder.send_signal(signal.SIGCONT)
+        _, stderr = holder.communicate(timeout=120)
+    finally:
+        holder.kill()
+    assert 0 < holder.returncode < 128, stderr
+    [line] = assert_said_in_a_line_or_two(stderr)
+    assert "No space left on device" in line and "step-000002" in line and f"--resume {run}" in line
+    refused = copes_run(*flags, "--resume", str(run))
+    assert 0 < refused.returncode < 128, refused.stderr
+    [line] = assert_said_in_a_line_or_two(refused.stderr)
+    assert "No space left on device" in line and str(run) in line
+    for filler in fillers:
+        filler.unlink()
+    assert_resumes_to(uninterrupted, run, "--sample-every", "2")
+    samples = (run / "samples.jsonl").read_text().splitlines()
+    assert {json.loads(line)["step"] for line in samples} == {2} and len(set(samples)) == len(samples)
+
+
+def made_read_only_while_stopped(process: subprocess.Popen, path: Path) -> str:
+    """Let `process`, stopped at its failpoint, go on with `path` (a file or folder of its run) on a read-only bind
+    mount (root is refused too); its stderr once it ended, the mount removed."""
+    try:
+        wait_until_stopped(process.pid)
+        mount(path, "--bind")
+        mount(path, "-o", "remount,bind,ro")
+        process.send_signal(signal.SIGCONT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+        subprocess.run(["umount", str(path)], capture_output=True)
+    return stderr
+
+
+@pytest.mark.integration
+def test_a_read_only_folder_stops_the_run_in_one_line_and_resume_ends_bitwise(uninterrupted, own_disk):
+    """metrics.jsonl turns read-only while step 2 runs, then checkpoints/ while the resume runs step 3, then the
+    whole file system: each write stops the run in one line naming the file and the resume, a resume refuses in one
+    line, and once the file system is writable again the resume ends bitwise, with checkpoint 2 written after all."""
+    disk = own_disk("-o", "size=64m")
+    run = disk / "run"
+    for flags, stop_at, path, file in [(["--output-dir", str(run)], "member@6", run / "metrics.jsonl", "metrics.jsonl"),
+                                       (["--resume", str(run)], "member@2", run / "checkpoints", "step-000003")]:
+        process = copes_run_in_background(*STEPS, *flags, env={"COPES_FAILPOINT": f"{stop_at}:SIGSTOP"})
+        stderr = made_read_only_while_stopped(process, path)
+        assert 0 < process.returncode < 128, stderr
+        [line] = assert_said_in_a_line_or_two(stderr)
+        assert "Read-only file system" in line and file in line and f"--resume {run}" in line
+    mount(disk, "-o", "remount,ro")
+    refused = copes_run(*STEPS, "--resume", str(run))
+    assert 0 < refused.returncode < 128, refused.stderr
+    [line] = assert_said_in_a_line_or_two(refused.stderr)
+    assert "Read-only file system" in line and str(run) in line
+    mount(disk, "-o", "remount,rw")
+    assert_resumes_to(uninterrupted, run)
+    assert_every_checkpoint_as_uninterrupted(uninterrupted, run)

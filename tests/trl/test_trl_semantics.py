@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from copes import ESConfig, ESTrainer
 from copes.errors import ConfigError
 from copes.rollout.hf_engine import HFEngine
 from copes.run.journal import read_journal
+from copes.user_code import OUTPUT_CAP_BYTES
 
 from helpers.tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer
 from helpers.trl_twin import TINY, answer_column_reward, arithmetic_rows, contents_tokenizer
@@ -278,3 +283,60 @@ def test_a_run_with_relative_paths_replays_from_another_folder(tmp_path, monkeyp
     ESTrainer(model=AutoModelForCausalLM.from_pretrained(TINY), reward_funcs=[answer_column_reward],
               train_dataset=arithmetic_rows(False, count=4), args=ESConfig(output_dir="object", **ES_SMALL))
     assert AutoTokenizer.from_pretrained("object/base_model").vocab == AutoTokenizer.from_pretrained(TINY).vocab
+
+
+LOUD_SCRIPT = '''
+import json, sys
+from copes import ESConfig, ESTrainer
+from copes.rollout.hf_engine import HFEngine
+from helpers.tiny_models import ScriptedPolicy, build_tiny_checkpoint, build_tiny_tokenizer
+import copes.rollout.agent
+
+folder = sys.argv[1]
+calls = {"tool": 0, "reward": 0}
+
+def lookup(query: str) -> str:
+    """Look a word up, printing a MiB of debugging on the way.
+
+    Args:
+        query: the word
+    """
+    calls["tool"] += 1
+    print("@" * (1 << 20))
+    return "42"
+
+def loud_reward(completions, **kwargs):
+    calls["reward"] += 1
+    print("%" * (1 << 20), file=sys.stderr)
+    return [1.0 for _ in completions]
+
+tokenizer = build_tiny_tokenizer(folder, chat_template="qwen")
+checkpoint = build_tiny_checkpoint(folder, chat_template="qwen")
+policy = ScriptedPolicy(tokenizer, lambda prompt: "42" if "<tool_response>" in prompt else
+                        '<tool_call>\\n{"name": "lookup", "arguments": {"query": "x"}}\\n</tool_call>')
+copes.rollout.agent.engine_for = lambda model: HFEngine(policy, row_caches=False)
+args = ESConfig(output_dir=folder + "/run", max_steps=2, population_size=2, num_subspaces=1, prompt_batch_size=2,
+                max_completion_length=64, eval_size=0, chunk_size=4096, disable_tqdm=True)
+rows = [{"prompt": [{"role": "user", "content": f"What is {n}?"}], "answer": "42"} for n in range(4)]
+ESTrainer(model=str(checkpoint), reward_funcs=[loud_reward], args=args, train_dataset=rows,
+          processing_class=tokenizer, tools=[lookup]).train()
+print(json.dumps(calls), file=open(folder + "/calls.json", "w"))
+'''
+
+
+def test_a_tool_and_a_reward_that_print_a_mib_a_call_show_only_the_cap_said_once(tmp_path):
+    """Issue #54: a user's tool and TRL reward function, called in the trainer's process (the tools several at once
+    on the tool pool's threads), each print a MiB a call; a real ESTrainer process shows the first OUTPUT_CAP_BYTES of
+    each call and says the cap once for each, instead of flooding the terminal with every MiB."""
+    tests = Path(__file__).resolve().parents[1]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", LOUD_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          env=environment, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    calls = json.loads((tmp_path / "calls.json").read_text())
+    assert calls["tool"] >= 4 and calls["reward"] >= 4, calls
+    output = done.stdout + done.stderr
+    assert len(output) < (calls["tool"] + calls["reward"] + 8) * OUTPUT_CAP_BYTES, len(output)
+    assert output.count("@" * OUTPUT_CAP_BYTES) == calls["tool"]
+    assert output.count("%" * OUTPUT_CAP_BYTES) == calls["reward"]
+    assert output.count("note: a tool printed") == 1 and output.count("note: a reward printed") == 1, output[-3000:]
