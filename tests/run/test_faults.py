@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from safetensors.torch import load_file
@@ -26,6 +28,7 @@ from helpers.cli_runs import (
     run_in_process,
 )
 
+T = TypeVar("T")
 STEPS = ["--steps", "3", "--checkpoint-every", "1"]
 
 
@@ -59,6 +62,22 @@ def wait_until_stopped(pid: int, timeout: float = 240) -> None:
     while (state := Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "T":
         assert state != "Z" and time.monotonic() < deadline, f"process {pid} never reached its failpoint"
         time.sleep(0.2)
+
+
+def fault_in_step_2(run: Path, flags: Sequence[str], fault: Callable[[], T]) -> tuple[str, T]:
+    """A run stopped inside step 2 (its member 6), `fault()` done to it there, then let go: the one line it ends
+    with (a status below 128, no traceback) and what `fault` returned."""
+    holder = copes_run_in_background(*flags, "--output-dir", str(run), env={"COPES_FAILPOINT": "member@6:SIGSTOP"})
+    try:
+        wait_until_stopped(holder.pid)
+        done = fault()
+        holder.send_signal(signal.SIGCONT)
+        _, stderr = holder.communicate(timeout=120)
+    finally:
+        holder.kill()
+    assert 0 < holder.returncode < 128, stderr
+    [line] = assert_said_in_a_line_or_two(stderr)
+    return line, done
 
 
 @pytest.mark.integration
@@ -192,16 +211,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_resume_ends_bitwise(uninterru
     for the journal but not for checkpoint 2. Each stops in one line naming the resume; once space is freed the
     resume ends bitwise."""
     run = small_disk / "run"
-    holder = copes_run_in_background(*STEPS, "--output-dir", str(run), env={"COPES_FAILPOINT": "member@6:SIGSTOP"})
-    try:
-        wait_until_stopped(holder.pid)
-        filler = fill(small_disk, leave_bytes=0)
-        holder.send_signal(signal.SIGCONT)
-        _, stderr = holder.communicate(timeout=120)
-    finally:
-        holder.kill()
-    assert 0 < holder.returncode < 128, stderr
-    [line] = assert_said_in_a_line_or_two(stderr)
+    line, filler = fault_in_step_2(run, STEPS, lambda: fill(small_disk, leave_bytes=0))
     assert "No space left on device" in line and f"--resume {run}" in line
     filler.unlink()
     fill(small_disk, leave_bytes=64 << 10)  # the journal's records fit, checkpoint 2's 270 KB of weights do not
@@ -301,16 +311,7 @@ def test_no_inode_left_stops_the_run_in_one_line_and_resume_ends_bitwise(uninter
     disk = own_disk("-o", "size=64m,nr_inodes=400")
     run = disk / "run"
     flags = [*STEPS, "--sample-every", "2"]
-    holder = copes_run_in_background(*flags, "--output-dir", str(run), env={"COPES_FAILPOINT": "member@6:SIGSTOP"})
-    try:
-        wait_until_stopped(holder.pid)
-        fillers = fill_inodes(disk)
-        holder.send_signal(signal.SIGCONT)
-        _, stderr = holder.communicate(timeout=120)
-    finally:
-        holder.kill()
-    assert 0 < holder.returncode < 128, stderr
-    [line] = assert_said_in_a_line_or_two(stderr)
+    line, fillers = fault_in_step_2(run, flags, lambda: fill_inodes(disk))
     assert "No space left on device" in line and "step-000002" in line and f"--resume {run}" in line
     refused = copes_run(*flags, "--resume", str(run))
     assert 0 < refused.returncode < 128, refused.stderr
