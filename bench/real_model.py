@@ -13,6 +13,7 @@ The results section of docs/real-model.md is rewritten from every saved cell, wi
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import multiprocessing
@@ -20,7 +21,7 @@ import resource
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,13 +109,40 @@ def measure(job: Job) -> dict[str, Any]:
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+def in_fresh_process(job: Job) -> dict[str, Any]:
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:  # peak memory of this run alone
+        return pool.apply(measure, (job,))
+
+
+def before_training(settings: Settings, results: Path) -> float:
+    """Held-out accuracy of the untrained model, where every cell's curve starts. It depends only on the model file,
+    the held-out rows and the greedy decoding settings, not on the method or seed, so it is measured once (a run of
+    0 steps in a fresh process) and saved beside the cells under a key of those."""
+    from copes.downloads import fetch_model
+    from copes.user_code import sha256_of
+
+    task = task_overrides(settings, results)
+    held_out = task.get("task_options", {}).get("eval_file")
+    key = {"model_sha256": sha256_of(fetch_model(MODEL)), "task": settings.task,
+           "held_out_sha256": sha256_of(Path(held_out)) if held_out else None, "eval_size": settings.eval_size,
+           "max_new_tokens": settings.max_new_tokens, "dtype": "float32", "decoding": "greedy, no tools"}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    path = results / "before_training" / f"{digest[:16]}.json"
+    if not path.is_file():
+        provenance = run_provenance(0)
+        measured = in_fresh_process(replace(job_for(settings, results, BUDGETS[0], ES[0], 0), max_steps=0))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**key, "accuracy": measured["before"], "provenance": provenance}, indent=1))
+    return json.loads(path.read_text())["accuracy"]
+
+
 def run_cell(settings: Settings, results: Path, budget: str, method: str, seed: int) -> dict[str, Any]:
     path = cell_path(results, budget, method, seed)
     if path.is_file():
         return json.loads(path.read_text())
+    job = replace(job_for(settings, results, budget, method, seed), before=before_training(settings, results))
     provenance = run_provenance(seed)  # the commit the run started from
-    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:  # peak memory of this run alone
-        measured = pool.apply(measure, (job_for(settings, results, budget, method, seed),))
+    measured = in_fresh_process(job)
     result = {"method": method, "budget": budget, "seed": seed, "settings": asdict(settings), **measured,
               "provenance": provenance}
     path.parent.mkdir(parents=True, exist_ok=True)
