@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import multiprocessing
+import re
 import resource
 import statistics
 import sys
@@ -156,9 +157,21 @@ def cells(methods: Sequence[str], budgets: Sequence[str]) -> list[tuple[str, str
             if method != GRPO or budget == "equal wall clock"]
 
 
-def saved_cells(results: Path) -> list[dict[str, Any]]:
-    return [json.loads(path.read_text()) for budget in BUDGETS
-            for path in sorted((results / budget.replace(" ", "_")).glob("*.json"))]
+# Settings a cell's numbers do not depend on: the seed count is the run's, equal rollouts ends at its steps and equal
+# wall clock at its CPU seconds.
+NOT_MEASURED = {"equal rollouts": ("seeds", "budget_s", "grpo_lr"), "equal wall clock": ("seeds", "steps")}
+
+
+def measured_as(settings: dict[str, Any], budget: str) -> dict[str, Any]:
+    return {name: value for name, value in settings.items() if name not in NOT_MEASURED[budget]}
+
+
+def saved_cells(results: Path, settings: Settings) -> list[dict[str, Any]]:
+    """The saved cells measured under `settings` (cells of other settings stay saved, off this page's table)."""
+    wanted = {budget: measured_as(asdict(settings), budget) for budget in BUDGETS}
+    cells = [json.loads(path.read_text()) for budget in BUDGETS
+             for path in sorted((results / budget.replace(" ", "_")).glob("*.json"))]
+    return [cell for cell in cells if measured_as(cell["settings"], cell["budget"]) == wanted[cell["budget"]]]
 
 
 def _fmt(mean: float, half: float) -> str:
@@ -168,12 +181,12 @@ def _fmt(mean: float, half: float) -> str:
 def results_section(saved: list[dict[str, Any]]) -> list[str]:
     """Every method's row in each budget ("not run" where no cell is saved yet), the shares of GRPO's gain, and the
     paired comparisons with CoPES, Holm-corrected together."""
-    settings = sorted({json.dumps(r["settings"], sort_keys=True) for r in saved})
-    out = [f"Settings of the saved cells: {', '.join(settings) if settings else 'none yet'}.", ""]
-    comparisons = []
+    out, comparisons = [], []
     for budget in BUDGETS:
         by_method = {m: {r["seed"]: r for r in saved if r["budget"] == budget and r["method"] == m} for m in METHODS}
-        out += [f"### {budget.capitalize()}", "",
+        settings = sorted({json.dumps(measured_as(r["settings"], budget), sort_keys=True)
+                           for r in saved if r["budget"] == budget})
+        out += [f"### {budget.capitalize()}", "", f"Settings: {', '.join(settings) or 'no cell yet'}.", "",
                 "| method | seeds | accuracy before (%) | after (%) | gain (points), mean ± 95% CI | steps | "
                 "s / step (CPU) | peak memory (GiB) |", "|---|---|---|---|---|---|---|---|"]
         for method, runs in by_method.items():
@@ -214,13 +227,22 @@ def results_section(saved: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def write_page(results: Path) -> None:
-    saved = saved_cells(results)
-    page = PAGE.read_text(encoding="utf-8")
-    head, _, rest = page.partition(RESULTS_MARK)
-    _, _, tail = rest.partition(END_MARK)
-    PAGE.write_text("\n".join([head.rstrip("\n"), "", RESULTS_MARK, *results_section(saved), END_MARK])
-                    + tail, encoding="utf-8")
+CELLS_MARK = "<!-- cells on this page: {} -->"
+
+
+def write_page(results: Path, settings: Settings, page: Path = PAGE) -> Path:
+    """The page with its results section rewritten from the saved cells of `settings`; where that section would
+    hold fewer cells than the page's does now, the page stays and the new one is written beside it. Returns the path
+    written."""
+    saved = saved_cells(results, settings)
+    head, _, rest = page.read_text(encoding="utf-8").partition(RESULTS_MARK)
+    section, _, tail = rest.partition(END_MARK)
+    held = re.search(CELLS_MARK.format(r"(\d+)"), section)
+    target = page if len(saved) >= (int(held[1]) if held else 0) else page.with_name(
+        f"{page.stem}.{len(saved)}-cells{page.suffix}")
+    target.write_text("\n".join([head.rstrip("\n"), "", RESULTS_MARK, CELLS_MARK.format(len(saved)),
+                                 *results_section(saved), END_MARK]) + tail, encoding="utf-8")
+    return target
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -240,8 +262,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         result = run_cell(settings, args.results, budget, method, seed)
         print(f"{budget} | {method} | seed {seed}: {result['gain_points']:+.2f} points ({result['steps']} steps)",
               flush=True)
-    write_page(args.results)
-    print(f"wrote {PAGE}")
+    written = write_page(args.results, settings)
+    if written != PAGE:
+        print(f"the saved cells of these settings are fewer than the {PAGE.name} holds: wrote {written} beside it")
+    else:
+        print(f"wrote {PAGE}")
 
 
 if __name__ == "__main__":
