@@ -3,11 +3,14 @@ standard ES (K=1), EGGROLL and GRPO (TRL's GRPOTrainer, full-parameter, bench/vs
 task, paired by seed, at equal rollouts (ES methods: the same steps of N x prompt batch rollouts) and at equal wall
 clock (CPU seconds of training). Resumable: each cell (budget, method, seed) is saved as it ends under
 bench/results/real_model/, with its command, commit, versions, machine and seed, and its process's peak memory.
-The results section of docs/real-model.md is rewritten from every saved cell, with Holm-corrected paired tests.
+The untrained model's held-out accuracy is measured once per model file, held-out rows and decoding settings, saved
+beside the cells, and every cell starts from it. The results section of docs/real-model.md is rewritten from the
+saved cells of the settings given, with Holm-corrected paired tests; a section with fewer cells than the page holds
+is written beside the page instead.
 
     python bench/real_model.py                       # every cell (long: hours on two CPU cores)
-    python bench/real_model.py --seeds 1 --methods CoPES --budgets "equal rollouts"   # one cell
-    python bench/real_model.py --write-only          # the page from the saved cells
+    python bench/real_model.py --seeds 1 --methods "CoPES (K=4)" --budgets "equal rollouts"   # one cell
+    python bench/real_model.py --write-only          # the page from the saved cells of these settings
 """
 
 from __future__ import annotations
