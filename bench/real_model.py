@@ -3,24 +3,29 @@ standard ES (K=1), EGGROLL and GRPO (TRL's GRPOTrainer, full-parameter, bench/vs
 task, paired by seed, at equal rollouts (ES methods: the same steps of N x prompt batch rollouts) and at equal wall
 clock (CPU seconds of training). Resumable: each cell (budget, method, seed) is saved as it ends under
 bench/results/real_model/, with its command, commit, versions, machine and seed, and its process's peak memory.
-The results section of docs/real-model.md is rewritten from every saved cell, with Holm-corrected paired tests.
+The untrained model's held-out accuracy is measured once per model file, held-out rows and decoding settings, saved
+beside the cells, and every cell starts from it. The results section of docs/real-model.md is rewritten from the
+saved cells of the settings given, with Holm-corrected paired tests; a section with fewer cells than the page holds
+is written beside the page instead.
 
     python bench/real_model.py                       # every cell (long: hours on two CPU cores)
-    python bench/real_model.py --seeds 1 --methods CoPES --budgets "equal rollouts"   # one cell
-    python bench/real_model.py --write-only          # the page from the saved cells
+    python bench/real_model.py --seeds 1 --methods "CoPES (K=4)" --budgets "equal rollouts"   # one cell
+    python bench/real_model.py --write-only          # the page from the saved cells of these settings
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import multiprocessing
+import re
 import resource
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,13 +113,40 @@ def measure(job: Job) -> dict[str, Any]:
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
+def in_fresh_process(job: Job) -> dict[str, Any]:
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:  # peak memory of this run alone
+        return pool.apply(measure, (job,))
+
+
+def before_training(settings: Settings, results: Path) -> float:
+    """Held-out accuracy of the untrained model, where every cell's curve starts. It depends only on the model file,
+    the held-out rows and the greedy decoding settings, not on the method or seed, so it is measured once (a run of
+    0 steps in a fresh process) and saved beside the cells under a key of those."""
+    from copes.downloads import fetch_model
+    from copes.user_code import sha256_of
+
+    task = task_overrides(settings, results)
+    held_out = task.get("task_options", {}).get("eval_file")
+    key = {"model_sha256": sha256_of(fetch_model(MODEL)), "task": settings.task,
+           "held_out_sha256": sha256_of(Path(held_out)) if held_out else None, "eval_size": settings.eval_size,
+           "max_new_tokens": settings.max_new_tokens, "dtype": "float32", "decoding": "greedy, no tools"}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    path = results / "before_training" / f"{digest[:16]}.json"
+    if not path.is_file():
+        provenance = run_provenance(0)
+        measured = in_fresh_process(replace(job_for(settings, results, BUDGETS[0], ES[0], 0), max_steps=0))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**key, "accuracy": measured["before"], "provenance": provenance}, indent=1))
+    return json.loads(path.read_text())["accuracy"]
+
+
 def run_cell(settings: Settings, results: Path, budget: str, method: str, seed: int) -> dict[str, Any]:
     path = cell_path(results, budget, method, seed)
     if path.is_file():
         return json.loads(path.read_text())
+    job = replace(job_for(settings, results, budget, method, seed), before=before_training(settings, results))
     provenance = run_provenance(seed)  # the commit the run started from
-    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:  # peak memory of this run alone
-        measured = pool.apply(measure, (job_for(settings, results, budget, method, seed),))
+    measured = in_fresh_process(job)
     result = {"method": method, "budget": budget, "seed": seed, "settings": asdict(settings), **measured,
               "provenance": provenance}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,9 +160,21 @@ def cells(methods: Sequence[str], budgets: Sequence[str]) -> list[tuple[str, str
             if method != GRPO or budget == "equal wall clock"]
 
 
-def saved_cells(results: Path) -> list[dict[str, Any]]:
-    return [json.loads(path.read_text()) for budget in BUDGETS
-            for path in sorted((results / budget.replace(" ", "_")).glob("*.json"))]
+# Settings a cell's numbers do not depend on: the seed count is the run's, equal rollouts ends at its steps and equal
+# wall clock at its CPU seconds.
+NOT_MEASURED = {"equal rollouts": ("seeds", "budget_s", "grpo_lr"), "equal wall clock": ("seeds", "steps")}
+
+
+def measured_as(settings: dict[str, Any], budget: str) -> dict[str, Any]:
+    return {name: value for name, value in settings.items() if name not in NOT_MEASURED[budget]}
+
+
+def saved_cells(results: Path, settings: Settings) -> list[dict[str, Any]]:
+    """The saved cells measured under `settings` (cells of other settings stay saved, off this page's table)."""
+    wanted = {budget: measured_as(asdict(settings), budget) for budget in BUDGETS}
+    cells = [json.loads(path.read_text()) for budget in BUDGETS
+             for path in sorted((results / budget.replace(" ", "_")).glob("*.json"))]
+    return [cell for cell in cells if measured_as(cell["settings"], cell["budget"]) == wanted[cell["budget"]]]
 
 
 def _fmt(mean: float, half: float) -> str:
@@ -140,12 +184,12 @@ def _fmt(mean: float, half: float) -> str:
 def results_section(saved: list[dict[str, Any]]) -> list[str]:
     """Every method's row in each budget ("not run" where no cell is saved yet), the shares of GRPO's gain, and the
     paired comparisons with CoPES, Holm-corrected together."""
-    settings = sorted({json.dumps(r["settings"], sort_keys=True) for r in saved})
-    out = [f"Settings of the saved cells: {', '.join(settings) if settings else 'none yet'}.", ""]
-    comparisons = []
+    out, comparisons = [], []
     for budget in BUDGETS:
         by_method = {m: {r["seed"]: r for r in saved if r["budget"] == budget and r["method"] == m} for m in METHODS}
-        out += [f"### {budget.capitalize()}", "",
+        settings = sorted({json.dumps(measured_as(r["settings"], budget), sort_keys=True)
+                           for r in saved if r["budget"] == budget})
+        out += [f"### {budget.capitalize()}", "", f"Settings: {', '.join(settings) or 'no cell yet'}.", "",
                 "| method | seeds | accuracy before (%) | after (%) | gain (points), mean ± 95% CI | steps | "
                 "s / step (CPU) | peak memory (GiB) |", "|---|---|---|---|---|---|---|---|"]
         for method, runs in by_method.items():
@@ -186,13 +230,22 @@ def results_section(saved: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def write_page(results: Path) -> None:
-    saved = saved_cells(results)
-    page = PAGE.read_text(encoding="utf-8")
-    head, _, rest = page.partition(RESULTS_MARK)
-    _, _, tail = rest.partition(END_MARK)
-    PAGE.write_text("\n".join([head.rstrip("\n"), "", RESULTS_MARK, *results_section(saved), END_MARK])
-                    + tail, encoding="utf-8")
+CELLS_MARK = "<!-- cells on this page: {} -->"
+
+
+def write_page(results: Path, settings: Settings, page: Path = PAGE) -> Path:
+    """The page with its results section rewritten from the saved cells of `settings`; where that section would
+    hold fewer cells than the page's does now, the page stays and the new one is written beside it. Returns the path
+    written."""
+    saved = saved_cells(results, settings)
+    head, _, rest = page.read_text(encoding="utf-8").partition(RESULTS_MARK)
+    section, _, tail = rest.partition(END_MARK)
+    held = re.search(CELLS_MARK.format(r"(\d+)"), section)
+    target = page if len(saved) >= (int(held[1]) if held else 0) else page.with_name(
+        f"{page.stem}.{len(saved)}-cells{page.suffix}")
+    target.write_text("\n".join([head.rstrip("\n"), "", RESULTS_MARK, CELLS_MARK.format(len(saved)),
+                                 *results_section(saved), END_MARK]) + tail, encoding="utf-8")
+    return target
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -212,8 +265,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         result = run_cell(settings, args.results, budget, method, seed)
         print(f"{budget} | {method} | seed {seed}: {result['gain_points']:+.2f} points ({result['steps']} steps)",
               flush=True)
-    write_page(args.results)
-    print(f"wrote {PAGE}")
+    written = write_page(args.results, settings)
+    if written != PAGE:
+        print(f"the saved cells of these settings are fewer than the {PAGE.name} holds: wrote {written} beside it")
+    else:
+        print(f"wrote {PAGE}")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,12 @@ def _evaluate(trainer: Any, curve: Curve, clock: TrainingClock, step: int) -> No
     curve.accuracies.append(trainer.held_out(step)["accuracy"])
 
 
+def _first_evaluation(trainer: Any, curve: Curve, clock: TrainingClock) -> None:
+    """The evaluation before training, unless the curve already starts at a value measured once for every run."""
+    if not curve.accuracies:
+        _evaluate(trainer, curve, clock, 0)
+
+
 def _final_evaluation(trainer: Any, curve: Curve, clock: TrainingClock) -> Curve:
     """Every run ends with an evaluation at its last step, also when the budget ran out between marks."""
     if curve.seconds[-1] != round(clock.elapsed, 2):
@@ -120,7 +126,7 @@ def es_curve(trainer: Any, curve: Curve, clock: TrainingClock, max_steps: int | 
     from copes.run.trainer import batch_indices
 
     cfg = trainer.cfg
-    _evaluate(trainer, curve, clock, 0)
+    _first_evaluation(trainer, curve, clock)
     while not clock.over and (max_steps is None or curve.steps < max_steps):
         clock.start()
         examples = [trainer.train_set[i]
@@ -173,7 +179,7 @@ def grpo_curve(trainer: Any, curve: Curve, clock: TrainingClock, output_dir: str
         temperature=1.0, beta=0.0, max_steps=10**6, use_cpu=True, report_to=[], save_strategy="no", logging_steps=10**6,
         disable_tqdm=True, dataloader_num_workers=0, bf16=False,
     )
-    _evaluate(trainer, curve, clock, 0)
+    _first_evaluation(trainer, curve, clock)
     trainer.model.requires_grad_(True)  # copes.modeling.load_model freezes every weight for ES; GRPO trains them
     grpo = GRPOTrainer(model=trainer.model, reward_funcs=reward, args=config, train_dataset=prompts,
                        processing_class=trainer.tokenizer, callbacks=[SameClock()])
@@ -194,6 +200,9 @@ class Job:
     overrides: tuple[tuple[str, Any], ...] = ()
     max_steps: int | None = None  # ES methods: stop after this many steps (equal evaluations) or at the budget
     model: str = "tiny"  # an embedded model's name (its preset is the method's base) or a model folder
+    # Held-out accuracy before training, when already measured for this model, held-out set and decoding (it is the
+    # same for every method and seed): the run starts its curve there instead of evaluating again.
+    before: float | None = None
 
 
 def job_config(job: Job, output_dir: str) -> Any:
@@ -216,6 +225,8 @@ def run_job(job: Job) -> Curve:
     with tempfile.TemporaryDirectory(prefix="copes-vs-grpo-") as output_dir:
         trainer = Trainer(job_config(job, output_dir), progress=False)
         curve, clock = Curve(job.method, job.seed, job.lr), TrainingClock(job.budget_s, job.evaluations)
+        if job.before is not None:
+            curve.seconds, curve.wall_seconds, curve.accuracies = [0.0], [0.0], [job.before]
         if job.method == GRPO:
             return grpo_curve(trainer, curve, clock, output_dir)
         return es_curve(trainer, curve, clock, job.max_steps)

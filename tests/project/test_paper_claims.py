@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 
@@ -91,23 +92,48 @@ def test_a_cell_records_its_command_commit_versions_machine_and_seed():
     assert provenance["command"] and "CPUs" in provenance["machine"]
 
 
+def _real_model_cell(method: str, budget: str, seed: int, gain: float, **settings: object) -> dict[str, object]:
+    """A saved cell of bench/real_model.py as run_cell writes it (the numbers made up: only the page is tested)."""
+    return {"method": method, "budget": budget, "seed": seed, "before": 0.2, "after": 0.2 + gain / 100,
+            "gain_points": gain, "steps": 4, "cpu_seconds": 40.0, "peak_rss_gib": 1.5,
+            "settings": {"steps": 4, "budget_s": 240.0, "seeds": 3, **settings}}
+
+
 def test_the_real_model_page_rows_shares_and_corrected_comparisons():
     """bench/real_model.py's results section from saved cells: every method's row (GRPO's too), intervals as ±, the
     share of GRPO's gain beside the paper's, and the comparisons with CoPES Holm-corrected."""
     import real_model
 
-    def cell(method, budget, seed, gain):
-        return {"method": method, "budget": budget, "seed": seed, "before": 0.2, "after": 0.2 + gain / 100,
-                "gain_points": gain, "steps": 4, "cpu_seconds": 40.0, "peak_rss_gib": 1.5, "settings": {"steps": 4}}
-
-    saved = [cell(method, "equal wall clock", seed, gain + seed)
+    saved = [_real_model_cell(method, "equal wall clock", seed, gain + seed)
              for method, gain in (("CoPES (K=4)", 4.0), ("ES (K=1)", 2.0), ("EGGROLL", 1.0), (paper_claims.GRPO, 8.0))
              for seed in range(3)]
     page = "\n".join(real_model.results_section(saved))
     assert "| GRPO (TRL) | 3 | 20.0 | 29.0 | +9.0 ± " in page and "| CoPES (K=4) | 0 | not run |" in page
-    assert 'Settings of the saved cells: {"steps": 4}.' in page
+    assert 'Settings: no cell yet.' in page and 'Settings: {"budget_s": 240.0}.' in page  # what a cell depends on
     assert "CoPES (K=4): 56% (paper: 92%)" in page and "ES (K=1): 33% (paper: 67%)" in page
     assert "| CoPES (K=4) − ES (K=1), equal wall clock | 3 | +2.0 ± 0.0 |" in page and "Holm" in page
+
+
+def test_the_real_model_page_takes_the_cells_of_its_settings_and_never_shrinks(tmp_path):
+    """Cells saved under other settings stay off the table; a section with fewer cells than the page holds (a run
+    with fewer seeds, another results folder) is written beside the page, which stays as it was."""
+    import real_model
+
+    settings = real_model.Settings(steps=4, budget_s=240.0, seeds=2)
+    for seed, steps in ((0, 4), (1, 4), (2, 8)):  # seed 2's cell ran 8 steps: another table's
+        path = real_model.cell_path(tmp_path / "cells", "equal rollouts", "EGGROLL", seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_real_model_cell("EGGROLL", "equal rollouts", seed, 1.0, **{
+            **asdict(settings), "steps": steps, "budget_s": 1800.0, "seeds": 1})))  # budget_s, seeds: not measured
+    page = tmp_path / "real-model.md"
+    page.write_text(f"# The page\n\n{real_model.RESULTS_MARK}\nold\n{real_model.END_MARK}\nafter\n")
+    assert real_model.write_page(tmp_path / "cells", settings, page) == page
+    written = page.read_text()
+    assert "| EGGROLL | 2 |" in written and written.startswith("# The page") and written.endswith("after\n")
+    real_model.cell_path(tmp_path / "cells", "equal rollouts", "EGGROLL", 1).unlink()
+    beside = real_model.write_page(tmp_path / "cells", settings, page)
+    assert beside == tmp_path / "real-model.1-cells.md" and "| EGGROLL | 1 |" in beside.read_text()
+    assert page.read_text() == written
 
 
 def test_the_chat_sums_files_are_fixed_disjoint_and_cover_every_pair(tmp_path):

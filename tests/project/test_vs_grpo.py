@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,6 +62,18 @@ def test_grpo_really_trains_the_frozen_model_es_loads(tmp_path):
                                str(tmp_path))
     assert curve.steps >= 1
     assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
+
+
+@pytest.mark.slow
+def test_a_run_handed_its_before_accuracy_starts_there_and_ends_where_a_run_measuring_it_ends():
+    """bench/real_model.py measures the untrained model once (a 0-step run) and hands the value to every cell."""
+    fresh = vs_grpo.Job("CoPES", 0, None, float("inf"), 1, EVAL_SIZE, max_steps=1)
+    before = vs_grpo.run_job(replace(fresh, max_steps=0))
+    assert before.steps == 0 and before.seconds == [0.0] and len(before.accuracies) == 1
+    measured = vs_grpo.run_job(fresh)
+    assert vs_grpo.run_job(replace(fresh, before=before.accuracies[0])).accuracies == measured.accuracies
+    marked = vs_grpo.run_job(replace(fresh, before=0.123))  # a value no evaluation gives: proof it was not redone
+    assert marked.accuracies == [0.123, measured.accuracies[-1]] and marked.seconds[0] == 0.0
 
 
 def test_training_clock_passes_every_mark_a_long_step_crosses():
