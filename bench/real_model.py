@@ -100,7 +100,8 @@ def job_for(settings: Settings, results: Path, budget: str, method: str, seed: i
                  "dtype": "float32", "budget_hours": None}
     equal_rollouts = budget == "equal rollouts"
     return Job(race_method, seed, settings.grpo_lr if method == GRPO else None,
-               float("inf") if equal_rollouts else settings.budget_s, 1, settings.eval_size,
+               float("inf") if equal_rollouts else settings.budget_s, settings.steps if equal_rollouts else 1,
+               settings.eval_size,
                tuple(sorted(overrides.items())), max_steps=settings.steps if equal_rollouts else None, model=MODEL)
 
 

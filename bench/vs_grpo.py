@@ -121,11 +121,14 @@ def _final_evaluation(trainer: Any, curve: Curve, clock: TrainingClock) -> Curve
     return curve
 
 
-def es_curve(trainer: Any, curve: Curve, clock: TrainingClock, max_steps: int | None = None) -> Curve:
-    """ES steps until the clock's budget is spent, or `max_steps` steps (an equal number of evaluations)."""
+def es_curve(trainer: Any, curve: Curve, clock: TrainingClock, max_steps: int | None = None,
+             evaluations: int = 1) -> Curve:
+    """ES steps until the clock's budget is spent, or `max_steps` steps (an equal number of evaluations). A run of
+    `max_steps` spaces its `evaluations` by steps (its clock has no budget to space them over)."""
     from copes.run.trainer import batch_indices
 
     cfg = trainer.cfg
+    every = max(max_steps // evaluations, 1) if max_steps else None
     _first_evaluation(trainer, curve, clock)
     while not clock.over and (max_steps is None or curve.steps < max_steps):
         clock.start()
@@ -134,7 +137,7 @@ def es_curve(trainer: Any, curve: Curve, clock: TrainingClock, max_steps: int | 
         trainer.population_step(curve.steps, examples)
         clock.stop()
         curve.steps += 1
-        if clock.due():
+        if clock.due() or (every is not None and curve.steps % every == 0):
             _evaluate(trainer, curve, clock, curve.steps)
     return _final_evaluation(trainer, curve, clock)
 
@@ -229,7 +232,7 @@ def run_job(job: Job) -> Curve:
             curve.seconds, curve.wall_seconds, curve.accuracies = [0.0], [0.0], [job.before]
         if job.method == GRPO:
             return grpo_curve(trainer, curve, clock, output_dir)
-        return es_curve(trainer, curve, clock, job.max_steps)
+        return es_curve(trainer, curve, clock, job.max_steps, job.evaluations)
 
 
 def run_jobs(jobs: Sequence[Job], workers: int) -> list[Curve]:
