@@ -176,22 +176,6 @@ def journaled_members(run: Path) -> int:
     return count
 
 
-def memcpy_gib_per_s() -> float:
-    """This machine's memory-copy bandwidth, best of 5 copies of 1 GiB, counted as STREAM counts a copy: the bytes
-    read plus the bytes written. (Counting a copy's bytes once, as this did before 3 December, halves it: the 4B
-    decode then ran at 1.5x its "floor".)"""
-    import torch
-
-    source, target = torch.empty(GiB, dtype=torch.uint8), torch.empty(GiB, dtype=torch.uint8)
-    source.fill_(1)
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - started)
-    return 2.0 / best
-
-
 def members_phase(model_dir: Path, result: Path) -> None:
     """In its own process: base vs members' greedy tokens, and decode tokens/s against the floor."""
     import torch
@@ -200,6 +184,8 @@ def members_phase(model_dir: Path, result: Path) -> None:
     from copes.config.options import build_config
     from copes.modeling import load_model
     from copes.rollout.hf_engine import HFEngine
+
+    from common.harness import memcpy_gib_per_s
 
     model, tokenizer, _ = load_model(str(model_dir), device="cpu", dtype="bfloat16")
     torch.set_num_threads(2)

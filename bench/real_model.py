@@ -231,20 +231,62 @@ def results_section(saved: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def curve_points(cell: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """A cell's curve as (x, held-out accuracy %): x in steps at equal rollouts (a point after every step, or the
+    first and last only in cells saved before there was one per step), in training CPU seconds at equal wall
+    clock."""
+    accuracy = [100 * value for value in cell["curve"]["accuracy"]]
+    if cell["budget"] == "equal wall clock":
+        return cell["curve"]["seconds"], accuracy
+    steps = cell["steps"]
+    return (list(range(steps + 1)) if len(accuracy) == steps + 1 else [0, steps]), accuracy
+
+
+def plot_curves(saved: list[dict[str, Any]], path: Path) -> None:
+    """A panel per budget: each method's runs as thin lines and their mean over seeds as a thick one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(BUDGETS), figsize=(12, 4), dpi=100, sharey=True)
+    for axis, budget in zip(axes, BUDGETS):
+        for color, method in zip(("tab:red", "tab:blue", "tab:green", "tab:purple"), METHODS):
+            curves = [curve_points(r) for r in saved if r["budget"] == budget and r["method"] == method]
+            for x, y in curves:
+                axis.plot(x, y, color=color, alpha=0.25, linewidth=0.8)
+            if curves and len({len(x) for x, _ in curves}) == 1:  # the mean where every run has the same points
+                mean = [statistics.fmean(values) for values in zip(*(x for x, _ in curves))]
+                axis.plot(mean, [statistics.fmean(values) for values in zip(*(y for _, y in curves))], color=color,
+                          linewidth=2, marker="o", markersize=3, label=f"{method} ({len(curves)} seeds)")
+        axis.set_xlabel("ES steps" if budget == "equal rollouts" else "training CPU seconds", fontsize=8)
+        axis.set_title(budget, fontsize=9)
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
+    axes[0].set_ylabel("held-out accuracy (%): seeds thin, mean thick", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
 CELLS_MARK = "<!-- cells on this page: {} -->"
 
 
 def write_page(results: Path, settings: Settings, page: Path = PAGE) -> Path:
-    """The page with its results section rewritten from the saved cells of `settings`; where that section would
-    hold fewer cells than the page's does now, the page stays and the new one is written beside it. Returns the path
-    written."""
+    """The page with its results section rewritten from the saved cells of `settings`, and their curves plotted
+    beside it (the page's name, .png); where that section would hold fewer cells than the page's does now, the page
+    stays and the new one is written beside it. Returns the path written."""
     saved = saved_cells(results, settings)
     head, _, rest = page.read_text(encoding="utf-8").partition(RESULTS_MARK)
     section, _, tail = rest.partition(END_MARK)
     held = re.search(CELLS_MARK.format(r"(\d+)"), section)
     target = page if len(saved) >= (int(held[1]) if held else 0) else page.with_name(
         f"{page.stem}.{len(saved)}-cells{page.suffix}")
+    plot = target.with_suffix(".png")
+    plot_curves(saved, plot)
     target.write_text("\n".join([head.rstrip("\n"), "", RESULTS_MARK, CELLS_MARK.format(len(saved)),
+                                 f"![held-out accuracy along each run, by method]({plot.name})", "",
                                  *results_section(saved), END_MARK]) + tail, encoding="utf-8")
     return target
 

@@ -5,8 +5,10 @@ stays in every forward, the whole store attended to, the host reading tokens eve
 (weights perturbed in place inside the engine), vLLM with plain linear weights (F.linear, as HF) and with packed ones
 (vLLM's oneDNN copies, repacked after each weight change).
 
-Same random ~100M-parameter Qwen3 model (built locally, saved once, loaded by every engine), same prompts, same
-lengths (every row generates exactly its number of greedy tokens: EOS is ignored on every engine), same torch
+Same model on every engine: a random ~100M-parameter Qwen3 (built locally, saved once), or with --model a real
+one (a folder, a GGUF file or a downloadable model's name, e.g. smollm2-135m-instruct: its dense folder, converted
+once per machine); same prompts, same lengths (every row generates exactly its number of greedy tokens: EOS is
+ignored on every engine, and the prompts' tokens are random ids, as speed does not depend on them), same torch
 threads. Three workloads (--workloads):
 
   uniform      --prompts prompts of --prompt-tokens random tokens, each row generating --new-tokens: vLLM's
@@ -26,6 +28,10 @@ Per dtype and workload it reports, best of --repeats rounds after a warm-up, the
   tokens/s     the batch's generated tokens (the rows' own lengths summed, over every turn) / seconds of one
                batched greedy generation (weights unchanged since the last one: no repack); vs_hf_tokens and
                vs_hf_engine_tokens: the engine's speed over hf's and hf-engine's (eager decode)
+  floor        the memory-bandwidth floor: the tokens/s of an engine that only reads the weights, once per decode
+               step for every row still generating (the longest row's steps, per turn), at this machine's
+               memory-copy bandwidth; vs_floor: the engine's tokens/s over it (KV-cache reads and compute not
+               counted, so a real engine stays below 1)
   step s       one CoPES step (--population members, each: perturb, roll out the batch, restore; then the
                update), and inside it the seconds of perturb + restore, which vLLM pays on its own storage, and
                of the packed engine's repacks (one per member: its weights changed since the last rollout)
@@ -35,6 +41,7 @@ The reward of a member is the mean id of its generated tokens: continuous, so ev
     python bench/rollout_engines.py                  # fp32 and bf16, both workloads, 1 thread
     python bench/rollout_engines.py --threads 2 --dtypes float32 --workloads uniform
     python bench/rollout_engines.py --engines        # no vLLM: HF generate vs copes' HF engine only
+    python bench/rollout_engines.py --model smollm2-135m-instruct --dtypes float32   # a real model (cached)
 
 Needs vLLM for the vllm engines (pip install -e ".[vllm]", see the README) and GSM8K in ../shared/data (or
 $COPES_DATA_DIR) for the gsm8k workload. Writes results/rollout_engines_<device>.csv.
@@ -50,14 +57,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 import copes
-from copes.modeling import EMBEDDED_MODEL_DIR, load_model
+from copes.modeling import EMBEDDED_MODEL_DIR, load_model, model_folder
 from copes.rollout.engine import HFEngine, engine_for, load_rollout_model
 from copes.tasks import get_task
 
-from common.harness import add_engine_timing_arguments, alternating_best_seconds, machine_note, report
+from common.harness import (
+    GiB,
+    add_engine_timing_arguments,
+    alternating_best_seconds,
+    machine_note,
+    memcpy_gib_per_s,
+    report,
+)
 
 ModelShape = dict[str, int]
 # ~100M parameters in the decoder; the vocabulary is the embedded tiny tokenizer's (vLLM detokenizes with it).
@@ -209,8 +223,17 @@ def copes_step(model: torch.nn.Module, rollout: Rollout, workload: Workload, pop
         phases[phase] = min(phases.get(phase, float("inf")), seconds)
 
 
+def floor_tokens_per_s(model: torch.nn.Module, workload: Workload, bandwidth: float) -> float:
+    """The workload's tokens/s if generating cost only the weights' reads: one read of every weight (tied ones
+    once) per decode step serves every row still generating, and a turn takes its longest row's steps."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    decode_steps = max(workload.new_tokens) * workload.turns
+    return sum(workload.new_tokens) * workload.turns / (decode_steps * weight_bytes / bandwidth)
+
+
 def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int) -> list[dict[str, object]]:
     hf_model, _, _ = load_model(str(folder), device="cpu", dtype=dtype)
+    bandwidth = memcpy_gib_per_s() * GiB
     engines: dict[str, tuple[torch.nn.Module, Rollout]] = {
         "hf": (hf_model, hf_rollout), "hf-engine": (hf_model, hf_engine_rollout),
         "hf-engine-static": (hf_model, lambda model, workload: hf_engine_rollout(model, workload, decode="static"))}
@@ -232,6 +255,7 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
         step = dict.fromkeys(engines) if args.no_step else alternating_best_seconds(
             {name: (lambda m=m, r=r, w=workload, p=phases[name]: copes_step(m, r, w, args.population, p))
              for name, (m, r) in engines.items()}, args.repeats)
+        floor = floor_tokens_per_s(hf_model, workload, bandwidth)
         for name in engines:
             rows.append({
                 "dtype": dtype, "workload": workload.name, "engine": name, "threads": args.threads,
@@ -239,7 +263,9 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
                 "generated_tokens": sum(workload.new_tokens) * workload.turns, "longest": max(workload.new_tokens),
                 "tokens_per_s": sum(workload.new_tokens) * workload.turns / generate[name],
                 "vs_hf_tokens": generate["hf"] / generate[name],
-                "vs_hf_engine_tokens": generate["hf-engine"] / generate[name], "step_s": step[name],
+                "vs_hf_engine_tokens": generate["hf-engine"] / generate[name],
+                "floor_tokens_per_s": floor, "vs_floor": sum(workload.new_tokens) * workload.turns
+                / generate[name] / floor, "step_s": step[name],
                 "vs_hf_step": None if args.no_step else step["hf"] / step[name],
                 "perturb_restore_s": phases[name]["perturb_restore"],
                 "repack_s": phases[name]["repack"], "rows_equal_to_hf": same_rows[name],
@@ -247,8 +273,10 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a real model (folder, GGUF file or downloadable name) instead of the "
+                        "random ~100M-parameter Qwen3")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--engines", nargs="*", default=list(VLLM_ENGINES), choices=VLLM_ENGINES,
                         help="the vLLM engines measured beside hf and hf-engine (none: HF only)")
@@ -265,15 +293,21 @@ def main() -> None:
     parser.add_argument("--cpu-clock", action="store_true",
                         help="time generation by this thread's CPU time (a crowded machine, --threads 1, no vLLM)")
     add_engine_timing_arguments(parser, kv_cache_help="the vLLM engine's KV cache")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as folder:
-        parameters = build_model_folder(Path(folder), MODEL_SHAPE)
-        vocab_size = Qwen3Config.from_pretrained(folder).vocab_size
-        rows = [row for dtype in args.dtypes for row in measure(Path(folder), dtype, args, vocab_size)]
-    report("rollout_engines", rows, f"hf vs {', '.join(['hf-engine', 'hf-engine-static', *args.engines])} rollouts, "
-                                    f"random Qwen3 of {parameters / 1e6:.1f}M parameters; "
-                                    f"{machine_note()}; {time.perf_counter() - started:.0f}s")
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.model:
+            folder = Path(model_folder(args.model))
+            config = AutoConfig.from_pretrained(folder)
+            what = f"{args.model} ({config.model_type})"
+        else:
+            folder = Path(scratch)
+            parameters = build_model_folder(folder, MODEL_SHAPE)
+            config, what = Qwen3Config.from_pretrained(folder), f"random Qwen3 of {parameters / 1e6:.1f}M parameters"
+        rows = [row for dtype in args.dtypes for row in measure(folder, dtype, args, config.vocab_size)]
+    name = "rollout_engines" + (f"_{Path(args.model).stem.lower()}" if args.model else "")
+    report(name, rows, f"hf vs {', '.join(['hf-engine', 'hf-engine-static', *args.engines])} rollouts, {what}; "
+                       f"{machine_note()}; {time.perf_counter() - started:.0f}s")
 
 
 if __name__ == "__main__":  # vLLM may start worker processes: keep module import side-effect free

@@ -49,6 +49,13 @@ def resolve_model_path(model: str) -> str:
     return str(path)
 
 
+def model_folder(model: str) -> str:
+    """`resolve_model_path`, with a GGUF file (or a downloadable model's) as its dense folder, converted once per
+    machine: every loader (transformers, vLLM, the memory plan) reads a folder."""
+    path = resolve_model_path(model)
+    return str(dense_folder(Path(path))) if is_gguf_path(path) else path
+
+
 def _hub_model_path(model_id: str) -> str:
     """A cached hub model's local snapshot (no network), else the id after one quick check that the hub answers:
     offline, transformers would spend about 40 s in retries before failing with a traceback."""
@@ -97,12 +104,10 @@ def load_model(
     model: str, *, device: str = "auto", dtype: str = "auto"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
     """Model in eval mode without gradients, and a left-padding tokenizer (batched generation needs it)."""
-    path = resolve_model_path(model)
     resolved_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, resolved_device)
     try:
-        if is_gguf_path(path):
-            path = str(dense_folder(Path(path)))
+        path = model_folder(model)
         tokenizer = AutoTokenizer.from_pretrained(path)
         # A GPU model loads straight onto its device: no host copy of the weights first (transformers' device_map).
         placement = {} if resolved_device.type == "cpu" else {"device_map": {"": resolved_device}}

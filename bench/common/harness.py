@@ -21,6 +21,9 @@ RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 SUBSPACES, POPULATION, SIGMA = 4, 40, 1e-3  # the paper's CoPES defaults
 
 
+GiB = 2**30
+
+
 def pin_one_thread() -> None:
     """One torch thread: on a shared 2-core machine a second thread mostly waits for the other's core, and the
     hand-offs stall small ops (every benchmark here reports ratios measured under this same setting)."""
@@ -139,6 +142,20 @@ def append_csv_row(path: Path, columns: Sequence[str], row: dict[str, object]) -
         if new:
             writer.writeheader()
         writer.writerow(row)
+
+
+def memcpy_gib_per_s() -> float:
+    """This machine's memory-copy bandwidth, best of 5 copies of 1 GiB, counted as STREAM counts a copy: the bytes
+    read plus the bytes written. (Counting a copy's bytes once, as this did before 3 December, halves it: the 4B
+    decode then ran at 1.5x its "floor".)"""
+    source, target = torch.empty(GiB, dtype=torch.uint8), torch.empty(GiB, dtype=torch.uint8)
+    source.fill_(1)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - started)
+    return 2.0 / best
 
 
 def machine_note() -> str:

@@ -111,12 +111,12 @@ def load_config(model: str) -> Any:
     from transformers import AutoConfig
 
     from copes.downloads import DOWNLOADABLE_MODELS
-    from copes.gguf_io import dense_folder, is_gguf_path
+    from copes.gguf_io import is_gguf_path
 
     if model in DOWNLOADABLE_MODELS or is_gguf_path(model):
-        from copes.modeling import resolve_model_path  # fetches a downloadable model once per machine
+        from copes.modeling import model_folder  # fetches a downloadable model once per machine
 
-        model = str(dense_folder(Path(resolve_model_path(model)).expanduser()))
+        model = model_folder(model)
     try:
         config = AutoConfig.from_pretrained(config_dir(model))
     except (OSError, ValueError) as error:

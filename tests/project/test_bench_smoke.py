@@ -25,6 +25,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import eggroll_throughput  # noqa: E402
 import memory  # noqa: E402
+import rollout_engines  # noqa: E402
 import sample_efficiency  # noqa: E402
 import sandbox_throughput  # noqa: E402
 import step_overhead  # noqa: E402
@@ -177,6 +178,27 @@ def test_each_script_runs_from_its_command_line_and_writes_its_csv(
     for name in outputs:
         assert (tmp_path / f"{name}_{label}.csv").stat().st_size > 0
     assert f"wrote {tmp_path}" in capsys.readouterr().out
+
+
+def test_rollout_engines_runs_a_given_model_and_sets_each_engine_against_the_bandwidth_floor(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--model: a real model's folder instead of the random Qwen3 (docs/real-model.md runs it on SmolLM2); every
+    engine reproduces `generate`'s rows, and no engine outruns the floor of reading the weights once a step."""
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    rollout_engines.main(["--model", str(checkpoint), "--engines", "--dtypes", "float32", "--workloads", "uniform",
+                          "gsm8k-2turn", "--prompts", "3", "--prompt-tokens", "4", "--new-tokens", "3",
+                          "--repeats", "1", "--no-step"])
+    rows = [row.split(",") for row in (tmp_path / f"rollout_engines_checkpoint_{harness.device_label()}.csv")
+            .read_text().splitlines()]
+    table = [dict(zip(rows[0], row)) for row in rows[1:]]
+    assert {row["engine"] for row in table} == {"hf", "hf-engine", "hf-engine-static"} and len(table) == 6
+    for row in table:
+        assert row["rows_equal_to_hf"] == "3" and 0 < float(row["vs_floor"]) < 1
+    model = load_checkpoint(checkpoint)[0]
+    workload = rollout_engines.Workload("w", [[1, 2]] * 2, [4, 2], observations=[[3]] * 2)
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())  # a tied head counted once: one read a step
+    assert rollout_engines.floor_tokens_per_s(model, workload, 1e9) == pytest.approx(12 / (8 * weight_bytes / 1e9))
 
 
 def test_sandbox_throughput_times_a_git_revision_against_this_checkout() -> None:

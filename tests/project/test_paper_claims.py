@@ -96,6 +96,7 @@ def _real_model_cell(method: str, budget: str, seed: int, gain: float, **setting
     """A saved cell of bench/real_model.py as run_cell writes it (the numbers made up: only the page is tested)."""
     return {"method": method, "budget": budget, "seed": seed, "before": 0.2, "after": 0.2 + gain / 100,
             "gain_points": gain, "steps": 4, "cpu_seconds": 40.0, "peak_rss_gib": 1.5,
+            "curve": {"seconds": [0.0, 40.0], "accuracy": [0.2, 0.2 + gain / 100]},
             "settings": {"steps": 4, "budget_s": 240.0, "seeds": 3, **settings}}
 
 
@@ -130,10 +131,23 @@ def test_the_real_model_page_takes_the_cells_of_its_settings_and_never_shrinks(t
     assert real_model.write_page(tmp_path / "cells", settings, page) == page
     written = page.read_text()
     assert "| EGGROLL | 2 |" in written and written.startswith("# The page") and written.endswith("after\n")
+    assert "](real-model.png)" in written and (tmp_path / "real-model.png").read_bytes()[:4] == b"\x89PNG"
     real_model.cell_path(tmp_path / "cells", "equal rollouts", "EGGROLL", 1).unlink()
     beside = real_model.write_page(tmp_path / "cells", settings, page)
     assert beside == tmp_path / "real-model.1-cells.md" and "| EGGROLL | 1 |" in beside.read_text()
+    assert "](real-model.1-cells.png)" in beside.read_text() and beside.with_suffix(".png").is_file()
     assert page.read_text() == written
+
+
+def test_a_real_model_curve_is_plotted_against_steps_or_training_seconds():
+    import real_model
+
+    per_step = {**_real_model_cell("CoPES (K=4)", "equal rollouts", 0, 2.0),
+                "curve": {"seconds": [0.0, 10.0, 20.0, 30.0, 40.0], "accuracy": [0.2, 0.21, 0.2, 0.22, 0.22]}}
+    assert real_model.curve_points(per_step) == ([0, 1, 2, 3, 4], [20.0, 21.0, 20.0, 22.0, 22.0])
+    ends_only = _real_model_cell("CoPES (K=4)", "equal rollouts", 0, 2.0)  # saved before a point per step
+    assert real_model.curve_points(ends_only)[0] == [0, 4]
+    assert real_model.curve_points(_real_model_cell("EGGROLL", "equal wall clock", 0, 2.0))[0] == [0.0, 40.0]
 
 
 def test_the_chat_sums_files_are_fixed_disjoint_and_cover_every_pair(tmp_path):

@@ -52,7 +52,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from copes.choices import VLLM_CPU_WEIGHTS
 from copes.errors import UserError
 from copes.extras import require
-from copes.modeling import resolve_device, resolve_dtype, resolve_model_path
+from copes.modeling import model_folder, resolve_device, resolve_dtype
 from copes.rollout.generate import Generation, eos_token_ids, finish_row, prompt_token_ids, row_limits
 from copes.rollout.vllm import DEFAULT_KV_CACHE_GIB, STEP_ROWS, STEP_TOKENS
 from copes.rollout.vllm.lora import LoRASlots, LoRATargets, MemberAdapters
@@ -233,7 +233,7 @@ class VLLMEngine:
             raise ValueError(f"cpu_weights must be one of {VLLM_CPU_WEIGHTS}, got {cpu_weights!r}")
         vllm = _import_vllm()
         kv_cache_gib = DEFAULT_KV_CACHE_GIB if kv_cache_gib is None else kv_cache_gib
-        path = Path(resolve_model_path(model))
+        path = Path(model_folder(model))  # a GGUF runs as its dense folder, converted once per machine
         if not path.is_dir():
             raise UserError(f"--rollout-engine vllm needs a local model folder or a cached hub model, got {model}")
         self.device = resolve_device(device)
