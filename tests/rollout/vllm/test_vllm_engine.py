@@ -351,16 +351,23 @@ def test_copes_run_on_vllm_with_packed_weights_resumes_bitwise(tmp_path: Path) -
     assert any(record["update_norm"] > 0 for record in metrics_without_time(straight))
 
 
-def test_copes_eval_on_vllm_scores_as_on_hf(tmp_path: Path) -> None:
-    """The embedded model, fp32 greedy, plain weights: the same answers, rewards and token counts on both engines."""
+def test_copes_eval_on_vllm_scores_as_on_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embedded model, fp32 greedy, plain weights: the same answers, rewards and token counts on both engines,
+    and on vLLM from the model's GGUF (run as its dense folder, converted once into the machine's cache)."""
+    from copes.gguf_io import export_gguf
+    from copes.modeling import EMBEDDED_MODELS
+
+    monkeypatch.setenv("COPES_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "tiny.gguf"
+    export_gguf(EMBEDDED_MODELS["tiny"], gguf_file, "f32")
     scored = {}
-    for engine in ("hf", "vllm"):
-        output = tmp_path / f"{engine}.json"
+    for name, engine, model in (("hf", "hf", "tiny"), ("vllm", "vllm", "tiny"), ("vllm gguf", "vllm", gguf_file)):
+        output = tmp_path / f"{name}.json"
         result = CliRunner().invoke(eval_command, [
-            "--rollout-engine", engine, "--vllm-cpu-weights", "plain", "--vllm-kv-cache-gib", str(KV_CACHE_GIB),
-            "--limit", "8", "--output", str(output)])
+            "--model", str(model), "--rollout-engine", engine, "--vllm-cpu-weights", "plain",
+            "--vllm-kv-cache-gib", str(KV_CACHE_GIB), "--limit", "8", "--output", str(output)])
         assert result.exit_code == 0, result.output
-        (scored[engine],) = json.loads(output.read_text()).values()
-        scored[engine].pop("wall_seconds")
-    assert scored["vllm"] == scored["hf"]
+        (scored[name],) = json.loads(output.read_text()).values()
+        scored[name].pop("wall_seconds")
+    assert scored["vllm"] == scored["hf"] == scored["vllm gguf"]
     assert scored["hf"]["n_examples"] == 8
