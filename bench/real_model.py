@@ -248,6 +248,7 @@ def plot_curves(saved: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, axes = plt.subplots(1, len(BUDGETS), figsize=(12, 4), dpi=100, sharey=True)
     for axis, budget in zip(axes, BUDGETS):
@@ -259,6 +260,8 @@ def plot_curves(saved: list[dict[str, Any]], path: Path) -> None:
                 mean = [statistics.fmean(values) for values in zip(*(x for x, _ in curves))]
                 axis.plot(mean, [statistics.fmean(values) for values in zip(*(y for _, y in curves))], color=color,
                           linewidth=2, marker="o", markersize=3, label=f"{method} ({len(curves)} seeds)")
+        if budget == "equal rollouts":
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.set_xlabel("ES steps" if budget == "equal rollouts" else "training CPU seconds", fontsize=8)
         axis.set_title(budget, fontsize=9)
         axis.grid(alpha=0.3)

@@ -172,6 +172,7 @@ def run_provenance(seed: int) -> dict[str, object]:
     import importlib.metadata
     import os
     import platform
+    import shlex
     import subprocess
     import sys
 
@@ -183,7 +184,7 @@ def run_provenance(seed: int) -> dict[str, object]:
 
     repo = Path(__file__).resolve().parents[2]
     commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit.stdout.strip() or "unknown",
+    return {"command": shlex.join([Path(sys.executable).name, *sys.argv]), "commit": commit.stdout.strip() or "unknown",
             "versions": {name: version(name) for name in ("torch", "transformers", "trl", "gguf", "numpy")},
             "machine": f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
                        f"{machine_note()}",
