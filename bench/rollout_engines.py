@@ -231,9 +231,9 @@ def floor_tokens_per_s(model: torch.nn.Module, workload: Workload, bandwidth: fl
     return sum(workload.new_tokens) * workload.turns / (decode_steps * weight_bytes / bandwidth)
 
 
-def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int) -> list[dict[str, object]]:
+def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int,
+            bandwidth: float) -> list[dict[str, object]]:
     hf_model, _, _ = load_model(str(folder), device="cpu", dtype=dtype)
-    bandwidth = memcpy_gib_per_s() * GiB
     engines: dict[str, tuple[torch.nn.Module, Rollout]] = {
         "hf": (hf_model, hf_rollout), "hf-engine": (hf_model, hf_engine_rollout),
         "hf-engine-static": (hf_model, lambda model, workload: hf_engine_rollout(model, workload, decode="static"))}
@@ -257,15 +257,15 @@ def measure(folder: Path, dtype: str, args: argparse.Namespace, vocab_size: int)
              for name, (m, r) in engines.items()}, args.repeats)
         floor = floor_tokens_per_s(hf_model, workload, bandwidth)
         for name in engines:
+            tokens_per_s = sum(workload.new_tokens) * workload.turns / generate[name]
             rows.append({
                 "dtype": dtype, "workload": workload.name, "engine": name, "threads": args.threads,
                 "prompts": len(workload.prompts), "turns": workload.turns,
                 "generated_tokens": sum(workload.new_tokens) * workload.turns, "longest": max(workload.new_tokens),
-                "tokens_per_s": sum(workload.new_tokens) * workload.turns / generate[name],
+                "tokens_per_s": tokens_per_s,
                 "vs_hf_tokens": generate["hf"] / generate[name],
                 "vs_hf_engine_tokens": generate["hf-engine"] / generate[name],
-                "floor_tokens_per_s": floor, "vs_floor": sum(workload.new_tokens) * workload.turns
-                / generate[name] / floor, "step_s": step[name],
+                "floor_tokens_per_s": floor, "vs_floor": tokens_per_s / floor, "step_s": step[name],
                 "vs_hf_step": None if args.no_step else step["hf"] / step[name],
                 "perturb_restore_s": phases[name]["perturb_restore"],
                 "repack_s": phases[name]["repack"], "rows_equal_to_hf": same_rows[name],
@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> None:
             folder = Path(scratch)
             parameters = build_model_folder(folder, MODEL_SHAPE)
             config, what = Qwen3Config.from_pretrained(folder), f"random Qwen3 of {parameters / 1e6:.1f}M parameters"
-        rows = [row for dtype in args.dtypes for row in measure(folder, dtype, args, config.vocab_size)]
+        bandwidth = memcpy_gib_per_s() * GiB  # once: the same floor for every dtype's weights
+        rows = [row for dtype in args.dtypes for row in measure(folder, dtype, args, config.vocab_size, bandwidth)]
     name = "rollout_engines" + (f"_{Path(args.model).stem.lower()}" if args.model else "")
     report(name, rows, f"hf vs {', '.join(['hf-engine', 'hf-engine-static', *args.engines])} rollouts, {what}; "
                        f"{machine_note()}; {time.perf_counter() - started:.0f}s")
