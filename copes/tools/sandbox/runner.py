@@ -294,8 +294,10 @@ class PythonSandbox:
         with os.fdopen(report_read, "rb") as report_pipe:
             try:
                 collected = self._collect_output(process, cgroup, report_pipe.fileno())
-            finally:
                 _stop(process)
+                self._drain_after_stop(process, collected)
+            finally:
+                _stop(process)  # on an exception above; returns at once when the run is already stopped
                 process.stdout.close()
                 process.stderr.close()
             report = _parse_report(collected.report + report_pipe.read())
@@ -369,10 +371,7 @@ class PythonSandbox:
                         collected.report += chunk
                         poll_s = _DISK_POLL_S if b'"tier": "landlock"' in collected.report else poll_s
                     else:
-                        buffer = buffers[key.fd]
-                        room = self.max_output_bytes - len(buffer)
-                        buffer += chunk[:room]
-                        collected.truncated |= len(chunk) > room
+                        self._keep(collected, buffers[key.fd], chunk)
                 if meter is None:
                     continue
                 if poll_s == _DISK_POLL_S and (meter.shared_memory_bytes() or 0) > self.max_disk_bytes:
@@ -391,6 +390,27 @@ class PythonSandbox:
             except subprocess.TimeoutExpired:
                 collected.timed_out = True
         return collected
+
+    def _keep(self, collected: _Collected, buffer: bytearray, chunk: bytes) -> None:
+        """Append what fits under the output cap and note whether anything was cut."""
+        room = self.max_output_bytes - len(buffer)
+        buffer += chunk[:room]
+        collected.truncated |= len(chunk) > room
+
+    def _drain_after_stop(self, process: subprocess.Popen, collected: _Collected) -> None:
+        """Read what the code wrote before it was stopped but `_collect_output` had not read yet: on a loaded machine
+        the reader can wake after the deadline with output waiting. Only what is already in the pipes, so a writer
+        that outlived the stop cannot hold the run."""
+        for pipe, buffer in ((process.stdout, collected.stdout), (process.stderr, collected.stderr)):
+            os.set_blocking(pipe.fileno(), False)
+            while not collected.truncated:
+                try:
+                    chunk = os.read(pipe.fileno(), _READ_CHUNK_BYTES)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    break
+                self._keep(collected, buffer, chunk)
 
     def _rlimits(self) -> sandbox_child.RlimitConfig:
         return {
