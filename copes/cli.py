@@ -159,7 +159,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
         click.echo(plan.table())
         click.echo(grpo_plan(cfg, plan).table())  # full-parameter GRPO for the same model and context
         return
-    from copes.run.distributed import launched_by_copes_run, launched_distributed
+    from copes.run.distributed import launched_by_copes_run, launched_distributed, leave_distributed
     from copes.run.record import claim_output_dir
 
     if not (launched_distributed() and launched_by_copes_run()):  # --workers ranks write where the parent claimed
@@ -172,6 +172,7 @@ def run_command(config_file: str | None, resume: str | None, quiet: bool, **flag
         if cfg.workers > 1 and not launched_distributed():
             sys.exit(_run_as_workers(cfg, resume, quiet))
         _train(cfg, resume, quiet)
+        leave_distributed()
 
 
 def _train(cfg: TrainConfig, resume: str | None, quiet: bool) -> None:

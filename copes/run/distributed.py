@@ -106,6 +106,13 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S)
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), device=local)
 
 
+def leave_distributed() -> None:
+    """Tear this rank's process group down before the interpreter exits: a gloo group left to the exit can abort a
+    rank that finished its run ("terminate called without an active exception", status -6). A no-op outside one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _die_with_launcher() -> None:
     """If the launcher (torchrun's agent, or copes-run --workers) is killed, this rank goes too rather than train
     on as an orphan beside a resumed run writing the same journal. Linux only; elsewhere a collective's timeout

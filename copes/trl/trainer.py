@@ -37,7 +37,7 @@ from copes.config.components import GivenParts
 from copes.errors import ConfigError
 from copes.rewards.functions import callable_label
 from copes.run.checkpoint import views_on_their_own_storage
-from copes.run.distributed import WORKERS_ENV, gather_values, launched_distributed
+from copes.run.distributed import WORKERS_ENV, gather_values, launched_distributed, leave_distributed
 from copes.run.trainer import Trainer
 from copes.trl.config import ESConfig
 from copes.trl.task import (
@@ -437,10 +437,7 @@ class ESTrainer:
                         os.environ.pop(name, None)
                     else:
                         os.environ[name] = value
-                import torch.distributed as dist
-
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+                leave_distributed()
             if any(failed):
                 raise ConfigError(f"a worker rank failed (exit status {max(failed)}); its stderr above says why")
 
@@ -498,3 +495,4 @@ def run_rank() -> None:
                         processing_class=processing_class, tools=spec["tools"] or None,
                         environment_factory=spec["environment_factory"])
     trainer.train(resume_from_checkpoint=spec["resume"])
+    leave_distributed()
