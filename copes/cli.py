@@ -357,8 +357,11 @@ def export_command(checkpoint: str, output: str, tensor_type: str) -> None:
     folder = Path(checkpoint)
     if not (folder / "config.json").is_file():
         folder = find_checkpoint(folder)
-    tensors = export_gguf(folder, Path(output), tensor_type)
-    click.echo(f"wrote {tensors} tensors ({tensor_type}) of {folder} -> {output}")
+    written = export_gguf(folder, Path(output), tensor_type)
+    click.echo(f"wrote {written.tensors} tensors ({tensor_type}) of {folder} -> {output}")
+    if written.pre_tokenizer is None:
+        click.echo("warning: llama.cpp has no pre-tokenizer that splits text as this model's tokenizer does, so its "
+                   "tokens can differ from the model's (transformers reads the file as the model does)", err=True)
 
 
 @click.command(context_settings=COMMAND_SETTINGS)

@@ -3,7 +3,8 @@
 In: a `.gguf` file (any quantisation transformers reads, dequantised) loads as a dense model in the run's dtype, with
 the tokenizer and chat template it carries; checkpoints of such a run are then plain Hugging Face folders.
 Out: a model folder (a checkpoint, a replayed step) written as a GGUF of float32, float16 or bfloat16 tensors, in
-llama.cpp's tensor names and layouts, which transformers reads back (`gguf_file=`).
+llama.cpp's tensor names and layouts, with the pre-tokenizer llama.cpp is to split text with: llama.cpp runs it as
+the model (bench/gguf_llama_cpp.py), and transformers reads it back (`gguf_file=`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,18 @@ EXPORT_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", 
 PERMUTED_ROTARY = {"llama"}
 # llama.cpp's token types (llama_token_type): a vocabulary entry, a special (control) token, a user-added token.
 NORMAL_TOKEN, CONTROL_TOKEN, USER_DEFINED_TOKEN = 1, 3, 4
+# How a byte-level tokenizer splits text before its merges, as tokenizer.json spells it, -> the name llama.cpp gives
+# the same split (`tokenizer.ggml.pre`; llama.cpp's llama-vocab.cpp runs these regexes). With any other name llama.cpp
+# splits its own default way: "+" apart from the space before it, for one, so its tokens differ from the model's.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+LLAMA_CPP_PRE_TOKENIZERS = {
+    ("gpt-2 regex",): "gpt-2",  # ByteLevel with its own (GPT-2) regex
+    ("each digit", "gpt-2 regex"): "smollm",
+    (_QWEN2_SPLIT, "bytes"): "qwen2",  # Qwen2, Qwen2.5, Qwen3
+    (_LLAMA3_SPLIT, "bytes"): "llama-bpe",  # Llama 3
+}
 
 
 def is_gguf_path(model: str) -> bool:
@@ -169,9 +183,30 @@ def _byte_level_spelling(token: str) -> str:
     return token if set(token) <= alphabet else "".join(spelling[byte] for byte in token.encode("utf-8"))
 
 
-def _tokenizer_metadata(writer: Any, tokenizer: Any) -> None:
-    """The vocabulary as GGUF's byte-level BPE (`gpt2`) model: tokens in id order, their types, merges, special ids
-    and the chat template. A character-level (WordLevel) vocabulary is the same model without merges."""
+def llama_cpp_pre_tokenizer(spec: dict[str, Any] | None) -> str | None:
+    """llama.cpp's name for the split a tokenizer.json `pre_tokenizer` makes, or None when llama.cpp has none that
+    splits text the same way."""
+    if spec is None:
+        return None
+    steps = spec["pretokenizers"] if spec["type"] == "Sequence" else [spec]
+    kinds = []
+    for step in steps:
+        if step["type"] == "ByteLevel" and not step.get("add_prefix_space", False):
+            kinds.append("gpt-2 regex" if step.get("use_regex", True) else "bytes")
+        elif step["type"] == "Digits" and step.get("individual_digits"):
+            kinds.append("each digit")
+        elif step["type"] == "Split" and step.get("behavior") == "Isolated" and not step.get("invert"):
+            kinds.append(step["pattern"].get("Regex"))
+        else:
+            return None
+    return LLAMA_CPP_PRE_TOKENIZERS.get(tuple(kinds))
+
+
+def _tokenizer_metadata(writer: Any, tokenizer: Any) -> str | None:
+    """The vocabulary as GGUF's byte-level BPE (`gpt2`) model: tokens in id order, their types, merges, the
+    pre-tokenizer llama.cpp is to split text with, special ids and the chat template. A character-level (WordLevel)
+    vocabulary is the same model without merges. Returns that pre-tokenizer's name, None where llama.cpp has none
+    that splits as this tokenizer does (the file then names llama.cpp's default)."""
     import json
 
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
@@ -193,8 +228,9 @@ def _tokenizer_metadata(writer: Any, tokenizer: Any) -> None:
             tokens.append(entry["content"])
             types.append(CONTROL_TOKEN if entry["special"] else USER_DEFINED_TOKEN)
     merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model.get("merges", [])]
+    pre_tokenizer = llama_cpp_pre_tokenizer(spec.get("pre_tokenizer"))
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre_tokenizer or "default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_scores([0.0] * size)  # without merges, transformers derives them from the scores (none here)
@@ -208,6 +244,7 @@ def _tokenizer_metadata(writer: Any, tokenizer: Any) -> None:
     writer.add_add_bos_token(False)
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
+    return pre_tokenizer
 
 
 def _permute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -216,8 +253,18 @@ def _permute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
         weight.shape)
 
 
-def export_gguf(model_dir: Path, output: Path, tensor_type: str = "f32") -> int:
-    """Write the model folder `model_dir` as the GGUF `output`; returns the number of tensors written."""
+@dataclass(frozen=True)
+class GGUFExport:
+    """What `export_gguf` wrote: how many tensors, and the pre-tokenizer llama.cpp splits text with (None: llama.cpp
+    has none that splits as the model's tokenizer does, so its tokens can differ; transformers reads the file as
+    the model's tokenizer)."""
+
+    tensors: int
+    pre_tokenizer: str | None
+
+
+def export_gguf(model_dir: Path, output: Path, tensor_type: str = "f32") -> GGUFExport:
+    """Write the model folder `model_dir` as the GGUF `output`."""
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -242,7 +289,7 @@ def export_gguf(model_dir: Path, output: Path, tensor_type: str = "f32") -> int:
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                           "bf16": gguf.LlamaFileType.MOSTLY_BF16}[tensor_type])
     _metadata(writer, config, architecture)
-    _tokenizer_metadata(writer, tokenizer)
+    pre_tokenizer = _tokenizer_metadata(writer, tokenizer)
     written = 0
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
@@ -264,4 +311,4 @@ def export_gguf(model_dir: Path, output: Path, tensor_type: str = "f32") -> int:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return written
+    return GGUFExport(tensors=written, pre_tokenizer=pre_tokenizer)

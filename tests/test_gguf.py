@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from copes.cli import eval_command, export_command
 from copes.errors import UserError
-from copes.gguf_io import dense_folder, export_gguf, load_gguf
+from copes.gguf_io import dense_folder, export_gguf, llama_cpp_pre_tokenizer, load_gguf
 from copes.modeling import EMBEDDED_MODELS, load_model, resolve_model_path
 from copes.run.journal import read_header
 
@@ -130,6 +130,54 @@ def test_copes_eval_and_the_plan_read_a_gguf(tiny_gguf, tmp_path):
     assert json.loads((tmp_path / "eval.json").read_text())["arithmetic"]["n_examples"] == 4
     plan = run_in_process("--plan", "--model", str(tiny_gguf))
     assert plan.exit_code == 0 and "memory plan" in plan.output, plan.output
+
+
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
+
+def _byte_level(use_regex: bool, add_prefix_space: bool = False) -> dict:
+    return {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": False, "use_regex": use_regex}
+
+
+def _split(regex: str, behavior: str = "Isolated") -> dict:
+    return {"type": "Split", "pattern": {"Regex": regex}, "behavior": behavior, "invert": False}
+
+
+def _sequence(*steps: dict) -> dict:
+    return {"type": "Sequence", "pretokenizers": list(steps)}
+
+
+@pytest.mark.parametrize("spec, expected", [
+    (_byte_level(use_regex=True), "gpt-2"),  # GPT-2; SmolLM2 as transformers reads its GGUF
+    (_sequence({"type": "Digits", "individual_digits": True}, _byte_level(use_regex=True)), "smollm"),
+    (_sequence(_split(QWEN2_SPLIT), _byte_level(use_regex=False)), "qwen2"),  # Qwen2, Qwen2.5, Qwen3
+    (_sequence(_split(LLAMA3_SPLIT), _byte_level(use_regex=False)), "llama-bpe"),  # Llama 3
+    # splits llama.cpp does not make: it would tokenize differently, so the file names none of its own
+    (_byte_level(use_regex=True, add_prefix_space=True), None),
+    (_sequence(_split(QWEN2_SPLIT), _byte_level(use_regex=True)), None),  # the regex, then GPT-2's on top
+    (_sequence(_split(LLAMA3_SPLIT, behavior="Removed"), _byte_level(use_regex=False)), None),
+    (_sequence({"type": "Digits", "individual_digits": False}, _byte_level(use_regex=True)), None),
+    (_split(r"[\s\S]"), None),  # the embedded tiny model's character split
+    ({"type": "Whitespace"}, None),
+    (None, None),
+])
+def test_llama_cpp_is_told_the_split_the_tokenizer_makes(spec, expected):
+    """tokenizer.ggml.pre names the split llama.cpp makes before its merges: the one the model's tokenizer makes."""
+    assert llama_cpp_pre_tokenizer(spec) == expected
+
+
+def test_an_export_llama_cpp_would_tokenize_differently_says_so_in_one_line(tmp_path):
+    """The embedded tiny model splits text into characters, which no llama.cpp pre-tokenizer does: the file names
+    llama.cpp's default, transformers still reads it as the model, and copes-export warns in one line."""
+    exported = tmp_path / "tiny.gguf"
+    result = CliRunner().invoke(export_command, [str(TINY), "--output", str(exported)])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "llama.cpp has no pre-tokenizer" in warnings[0], result.output
+    field = gguf.GGUFReader(exported).fields["tokenizer.ggml.pre"]
+    assert bytes(field.parts[-1]).decode() == "default"
 
 
 def test_export_refuses_what_it_cannot_write(tmp_path):

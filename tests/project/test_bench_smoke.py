@@ -24,6 +24,7 @@ BENCH_DIR = REPO / "bench"
 sys.path.insert(0, str(BENCH_DIR))
 
 import eggroll_throughput  # noqa: E402
+import gguf_llama_cpp  # noqa: E402
 import memory  # noqa: E402
 import rollout_engines  # noqa: E402
 import sample_efficiency  # noqa: E402
@@ -199,6 +200,25 @@ def test_rollout_engines_runs_a_given_model_and_sets_each_engine_against_the_ban
     workload = rollout_engines.Workload("w", [[1, 2]] * 2, [4, 2], observations=[[3]] * 2)
     weight_bytes = sum(p.numel() * 4 for p in model.parameters())  # a tied head counted once: one read a step
     assert rollout_engines.floor_tokens_per_s(model, workload, 1e9) == pytest.approx(12 / (8 * weight_bytes / 1e9))
+
+
+@pytest.mark.integration
+def test_llama_cpp_runs_the_real_models_export_as_transformers_does(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where llama-cpp-python is installed (`.ci/run` does not build it) and SmolLM2 is cached: llama.cpp tokenizes
+    every text as the model's tokenizer, picks the same next token everywhere and the same greedy answers."""
+    pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python to run bench/gguf_llama_cpp.py")
+    from copes.downloads import DOWNLOADABLE_MODELS, cache_dir
+
+    member = DOWNLOADABLE_MODELS["smollm2-135m-instruct"].member.rsplit("/", 1)[-1]
+    if not (cache_dir() / "models" / member).is_file():
+        pytest.skip("smollm2-135m-instruct is not cached here: copes-fetch smollm2-135m-instruct")
+    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
+    gguf_llama_cpp.main(["--types", "f32", "--prompts", "2", "--new-tokens", "6"])
+    lines = (tmp_path / f"gguf_llama_cpp_smollm2-135m-instruct_{harness.device_label()}.csv").read_text().splitlines()
+    row = dict(zip(lines[0].split(","), lines[1].split(",")))
+    assert row["pre_tokenizer"] == "gpt-2" and row["texts_same_tokens"] == row["texts"] == "3"
+    assert row["argmax_agree"] == row["positions"] and row["greedy_same"] == row["prompts"] == "2"
 
 
 def test_sandbox_throughput_times_a_git_revision_against_this_checkout() -> None:

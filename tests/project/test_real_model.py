@@ -5,6 +5,7 @@ checkpoint's logits. Runs where the model is in this machine's cache (`.ci/run` 
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 from click.testing import CliRunner
@@ -37,7 +38,9 @@ def test_the_real_model_trains_a_step_checkpoints_and_exports_to_gguf(tmp_path):
 
     exported = tmp_path / "trained.gguf"
     result = CliRunner().invoke(export_command, [str(run_dir), "--output", str(exported), "--type", "f32"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0 and "warning" not in result.output, result.output
+    pre_tokenizer = gguf.GGUFReader(exported).fields["tokenizer.ggml.pre"]
+    assert bytes(pre_tokenizer.parts[-1]).decode() == "gpt-2"  # llama.cpp splits text as the model's tokenizer
     read_back = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=exported.name, dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(read_back(ids).logits, trained(ids).logits)
