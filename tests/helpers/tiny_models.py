@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -160,18 +160,28 @@ def _corpus() -> list[str]:
     return _CORPUS_LINES * 4 + arithmetic
 
 
+# Qwen2's split before the byte-level step (its tokenizer.json's; Qwen2.5 and Qwen3 keep it).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+
+
 def build_tiny_tokenizer(
-    tmp_path: Path, *, chat_template: str | None = "qwen", vocab_size: int = 600
+    tmp_path: Path, *, chat_template: str | None = "qwen", vocab_size: int = 600, split: str = "gpt-2"
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer (any text encodes, no UNK), save it, and load it back via AutoTokenizer.
 
     `chat_template`: "qwen" (Qwen3-style, JSON tool calls), "qwen35" (Qwen3.5-style, XML tool calls, think
-    block), "plain" (ChatML that ignores tools) or None (no template).
+    block), "plain" (ChatML that ignores tools) or None (no template). `split`: how text is split before the
+    merges, "gpt-2" (GPT-2's regex) or "qwen2" (Qwen2's).
     """
     if chat_template not in CHAT_TEMPLATES:
         raise ValueError(f"chat_template must be one of {list(CHAT_TEMPLATES)}, got {chat_template!r}")
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.pre_tokenizer = {
+        "gpt-2": pre_tokenizers.ByteLevel(add_prefix_space=False),
+        "qwen2": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                                          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+    }[split]
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -189,7 +199,7 @@ def build_tiny_tokenizer(
         chat_template=CHAT_TEMPLATES[chat_template],
         padding_side="left",
     )
-    out_dir = Path(tmp_path) / f"tokenizer-{chat_template}"
+    out_dir = Path(tmp_path) / f"tokenizer-{chat_template}-{split}"
     tokenizer.save_pretrained(out_dir)
     return AutoTokenizer.from_pretrained(out_dir)
 
@@ -229,9 +239,10 @@ def tiny_qwen3(
     return model.eval()
 
 
-def build_tiny_checkpoint(tmp_path: Path, *, seed: int = 0, chat_template: str | None = "qwen") -> Path:
+def build_tiny_checkpoint(tmp_path: Path, *, seed: int = 0, chat_template: str | None = "qwen",
+                          split: str = "gpt-2") -> Path:
     """Save a tiny tokenizer + random model into one directory, as a downloaded checkpoint would look."""
-    tokenizer = build_tiny_tokenizer(tmp_path, chat_template=chat_template)
+    tokenizer = build_tiny_tokenizer(tmp_path, chat_template=chat_template, split=split)
     model = tiny_qwen3(tokenizer, seed=seed)
     out_dir = Path(tmp_path) / "checkpoint"
     model.save_pretrained(out_dir)

@@ -202,21 +202,36 @@ def test_rollout_engines_runs_a_given_model_and_sets_each_engine_against_the_ban
     assert rollout_engines.floor_tokens_per_s(model, workload, 1e9) == pytest.approx(12 / (8 * weight_bytes / 1e9))
 
 
+def _llama_cpp_rows(monkeypatch: pytest.MonkeyPatch, results: Path, argv: list[str]) -> list[dict[str, str]]:
+    monkeypatch.setattr(harness, "RESULTS_DIR", results)
+    gguf_llama_cpp.main(argv)
+    (written,) = results.glob("gguf_llama_cpp_*.csv")
+    lines = written.read_text().splitlines()
+    return [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:]]
+
+
 @pytest.mark.integration
-def test_llama_cpp_runs_the_real_models_export_as_transformers_does(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where llama-cpp-python is installed (`.ci/run` does not build it) and SmolLM2 is cached: llama.cpp tokenizes
-    every text as the model's tokenizer, picks the same next token everywhere and the same greedy answers."""
+def test_llama_cpp_runs_an_export_as_transformers_does(checkpoint: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where llama-cpp-python is installed (`.ci/run` does not build it): llama.cpp tokenizes every text as the
+    model's tokenizer does, for the tiny Qwen3 checkpoint (with GPT-2's split and with Qwen2's) and (where it is
+    cached) SmolLM2, a Llama; on SmolLM2 it
+    picks the same next token everywhere and gives the same greedy answers (a random model's near-ties allow no
+    such claim: its logits are compared instead)."""
     pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python to run bench/gguf_llama_cpp.py")
     from copes.downloads import DOWNLOADABLE_MODELS, cache_dir
 
+    qwen2_split = build_tiny_checkpoint(tmp_path / "qwen2-split", split="qwen2")
+    for folder, split in ((checkpoint, "gpt-2"), (qwen2_split, "qwen2")):
+        qwen3 = ["--model", str(folder), "--types", "f32", "f16", "--prompts", "2", "--new-tokens", "4"]
+        for row in _llama_cpp_rows(monkeypatch, tmp_path / split, qwen3):
+            assert row["pre_tokenizer"] == split and row["texts_same_tokens"] == row["texts"] == "3"
+            assert float(row["max_logit_diff"]) < 0.01 * float(row["max_logit"])
     member = DOWNLOADABLE_MODELS["smollm2-135m-instruct"].member.rsplit("/", 1)[-1]
     if not (cache_dir() / "models" / member).is_file():
         pytest.skip("smollm2-135m-instruct is not cached here: copes-fetch smollm2-135m-instruct")
-    monkeypatch.setattr(harness, "RESULTS_DIR", tmp_path)
-    gguf_llama_cpp.main(["--types", "f32", "--prompts", "2", "--new-tokens", "6"])
-    lines = (tmp_path / f"gguf_llama_cpp_smollm2-135m-instruct_{harness.device_label()}.csv").read_text().splitlines()
-    row = dict(zip(lines[0].split(","), lines[1].split(",")))
+    smollm2 = ["--types", "f32", "--prompts", "2", "--new-tokens", "6"]
+    (row,) = _llama_cpp_rows(monkeypatch, tmp_path / "smollm2", smollm2)
     assert row["pre_tokenizer"] == "gpt-2" and row["texts_same_tokens"] == row["texts"] == "3"
     assert row["argmax_agree"] == row["positions"] and row["greedy_same"] == row["prompts"] == "2"
 
