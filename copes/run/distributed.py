@@ -108,8 +108,9 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S)
 
 def leave_distributed() -> None:
     """Tear this rank's process group down before the interpreter exits: a gloo group left to the exit can abort a
-    rank that finished its run ("terminate called without an active exception", status -6). A no-op outside one."""
-    if dist.is_initialized():
+    rank that finished its run ("terminate called without an active exception", status -6). A no-op outside a
+    distributed launch, where a process group is another library's (vLLM's world of one, which it goes on using)."""
+    if launched_distributed() and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -432,12 +432,12 @@ class ESTrainer:
                 raise
             finally:
                 failed = [child.wait() for child in children]
+                leave_distributed()  # while this process is still rank 0 of the launch
                 for name, value in saved.items():
                     if value is None:
                         os.environ.pop(name, None)
                     else:
                         os.environ[name] = value
-                leave_distributed()
             if any(failed):
                 raise ConfigError(f"a worker rank failed (exit status {max(failed)}); its stderr above says why")
 

@@ -114,15 +114,23 @@ def test_held_out_evaluation_is_sharded_across_ranks_and_merged(tmp_path):
     assert record_0["questions"] == 7
 
 
-def test_a_finished_rank_leaves_its_group_and_leaving_twice_is_harmless(monkeypatch):
+def test_a_finished_rank_leaves_its_group_and_a_plain_run_leaves_other_groups_alone(monkeypatch):
     """Every rank ends with `leave_distributed`: a gloo group left to the interpreter's exit aborted 14 of 80
-    finished ranks here (status -6, "terminate called without an active exception"); torn down first, 0 of 80."""
+    finished ranks here (status -6, "terminate called without an active exception"); torn down first, 0 of 80.
+    Outside a distributed launch a group is another library's (vLLM starts a world of one in-process): it stays."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=5))
-    leave_distributed()
-    assert not dist.is_initialized()
-    leave_distributed()  # outside a group, as in a plain single-process run
+    try:
+        leave_distributed()  # WORLD_SIZE unset: a plain run
+        assert dist.is_initialized()
+        monkeypatch.setenv("WORLD_SIZE", "2")  # as a rank of torchrun or --workers sees it
+        leave_distributed()
+        assert not dist.is_initialized()
+        leave_distributed()  # leaving twice is harmless
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_rewards_of_an_uneven_split_are_gathered_in_member_order():
