@@ -168,6 +168,16 @@ def test_infinite_loop_is_killed_at_the_wall_clock_timeout(sandbox_start_s: floa
     assert result.stdout == "spinning\n", "output printed before the kill must survive"
 
 
+def test_a_deadline_during_setup_is_a_timeout_not_an_unavailable_sandbox() -> None:
+    """Under load the deadline can come before the sandbox has set up, as it did to a 1.5 s run in CI: that run
+    timed out and none of its code ran. It used to raise SandboxUnavailable, as if this machine could not isolate
+    code (and the python tool told the policy the sandbox refused its code)."""
+    result = PythonSandbox(timeout_s=0.001).run("print('ran')")
+    assert result.timed_out and result.stdout == ""
+    assert all(status.startswith("yes") for status in result.isolation.values()), result.isolation
+    assert PythonTool(PythonSandbox(timeout_s=0.001)).call({"code": "print(1)"}).endswith("the program was killed.")
+
+
 def test_output_waiting_when_the_reader_wakes_after_the_deadline_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """A loaded machine can wake the reader past the deadline with output unread in the pipes."""
     import copes.tools.sandbox.runner as runner

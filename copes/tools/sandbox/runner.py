@@ -309,8 +309,12 @@ class PythonSandbox:
         if isolation:
             isolation["cpu_budget"] = self._cpu_budget_verdict(cgroup)
         missing = [name for name in PROTECTIONS if not isolation.get(name, "no").startswith("yes")]
-        if missing and not self.unsafe:
-            refused = [name for name in missing if name in isolation]
+        refused = [name for name in missing if name in isolation]
+        # Every verdict is sent before the code starts (the child's `_exec_user_code`): a deadline that came with
+        # verdicts unsent and none refused came while the sandbox was setting up (a loaded machine), so none of the
+        # code ran. That run timed out; the machine can isolate code as well as before.
+        stopped_during_setup = bool(collected.timed_out and missing and not refused)
+        if missing and not self.unsafe and not stopped_during_setup:
             why = "; ".join(f"{name} ({isolation[name]})" for name in refused)
             if not refused:  # the bootstrap itself failed: its traceback says why
                 said = stderr.decode(errors="replace").strip()[-300:]
@@ -323,7 +327,8 @@ class PythonSandbox:
             exit_status=report.get("exit_status", process.returncode),
             timed_out=collected.timed_out,
             output_truncated=collected.truncated,
-            isolation=report["isolation"] or {"bootstrap": "no: the sandbox bootstrap reported nothing"},
+            isolation=isolation or ({} if stopped_during_setup else
+                                    {"bootstrap": "no: the sandbox bootstrap reported nothing"}),
             tier=report.get("tier", "none"),
             cpu_budget_exceeded=collected.cpu_exceeded,
             disk_quota_exceeded=collected.disk_exceeded,
