@@ -75,12 +75,11 @@ def llama_cpp_greedy(llm: object, ids: list[int], new_tokens: int) -> list[int]:
     return generated
 
 
-def compare(folder: Path, gguf_file: Path, tensor_type: str, texts: list[str], prompts: int,
+def compare(folder: Path, tokenizer: object, gguf_file: Path, tensor_type: str, texts: list[str], prompts: int,
             new_tokens: int) -> dict[str, object]:
     from llama_cpp import Llama
 
     written = export_gguf(folder, gguf_file, tensor_type)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = reference_model(folder, tensor_type)
     llm = Llama(str(gguf_file), logits_all=True, n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
     same_tokens = argmax_agree = positions = greedy_same = 0
@@ -106,9 +105,8 @@ def compare(folder: Path, gguf_file: Path, tensor_type: str, texts: list[str], p
             "greedy_same": greedy_same}
 
 
-def chat_texts(folder: Path, count: int) -> list[str]:
+def chat_texts(tokenizer: object, count: int) -> list[str]:
     """The first `count` held-out chat sums, through the model's chat template, ready for the assistant's turn."""
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
     rows = [json.loads(line) for line in EVAL_FILE.read_text().splitlines()[:count]]
     return [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
                                           add_generation_prompt=True) for row in rows]
@@ -125,10 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     pin_one_thread()
     started = time.perf_counter()
     folder = Path(model_folder(args.model))
-    texts = [*chat_texts(folder, args.prompts), PRE_TOKENIZER_TEXT]
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    texts = [*chat_texts(tokenizer, args.prompts), PRE_TOKENIZER_TEXT]
     with tempfile.TemporaryDirectory() as scratch:
-        rows = [compare(folder, Path(scratch) / f"model-{tensor_type}.gguf", tensor_type, texts, args.prompts,
-                        args.new_tokens) for tensor_type in args.types]
+        rows = [compare(folder, tokenizer, Path(scratch) / f"model-{tensor_type}.gguf", tensor_type, texts,
+                        args.prompts, args.new_tokens) for tensor_type in args.types]
     report(f"gguf_llama_cpp_{Path(args.model).stem.lower()}", rows,
            f"copes-export's GGUF in llama.cpp vs the model in transformers, {args.model}; {machine_note()}; "
            f"{time.perf_counter() - started:.0f}s")

@@ -21,6 +21,7 @@ from copes.modeling import EMBEDDED_MODELS, load_model, resolve_model_path
 from copes.run.journal import read_header
 
 from helpers.cli_runs import copes_run, run_in_process
+from helpers.tiny_models import QWEN2_SPLIT
 
 TINY = EMBEDDED_MODELS["tiny"]
 TEXT = "12+34=46\n7*8="
@@ -132,8 +133,6 @@ def test_copes_eval_and_the_plan_read_a_gguf(tiny_gguf, tmp_path):
     assert plan.exit_code == 0 and "memory plan" in plan.output, plan.output
 
 
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")
 LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 
 
