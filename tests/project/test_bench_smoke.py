@@ -213,12 +213,12 @@ def _llama_cpp_rows(monkeypatch: pytest.MonkeyPatch, results: Path, argv: list[s
 @pytest.mark.integration
 def test_llama_cpp_runs_an_export_as_transformers_does(checkpoint: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where llama-cpp-python is installed (`.ci/run` builds it for its llama.cpp lane): llama.cpp tokenizes every
-    text as the model's tokenizer does, for the tiny Qwen3 checkpoint (with GPT-2's split and with Qwen2's) and
-    SmolLM2, a Llama; on SmolLM2 it picks the same next token everywhere and gives the same greedy answers (a
-    random model's near-ties allow no such claim: its logits are compared instead)."""
-    if not os.environ.get("COPES_LLAMA_CPP_LANE"):  # .ci/run's llama.cpp lane: nothing may be missing there
-        pytest.importorskip("llama_cpp", reason='pip install -e ".[llama-cpp]" to run bench/gguf_llama_cpp.py')
+    """Where llama-cpp-python is installed (`.ci/run` does not build it): llama.cpp tokenizes every text as the
+    model's tokenizer does, for the tiny Qwen3 checkpoint (with GPT-2's split and with Qwen2's) and (where it is
+    cached) SmolLM2, a Llama; on SmolLM2 it
+    picks the same next token everywhere and gives the same greedy answers (a random model's near-ties allow no
+    such claim: its logits are compared instead)."""
+    pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python to run bench/gguf_llama_cpp.py")
     from copes.downloads import DOWNLOADABLE_MODELS, cache_dir
 
     qwen2_split = build_tiny_checkpoint(tmp_path / "qwen2-split", split="qwen2")
@@ -228,7 +228,7 @@ def test_llama_cpp_runs_an_export_as_transformers_does(checkpoint: Path, tmp_pat
             assert row["pre_tokenizer"] == split and row["texts_same_tokens"] == row["texts"] == "3"
             assert float(row["max_logit_diff"]) < 0.01 * float(row["max_logit"])
     member = DOWNLOADABLE_MODELS["smollm2-135m-instruct"].member.rsplit("/", 1)[-1]
-    if not (cache_dir() / "models" / member).is_file() and not os.environ.get("COPES_LLAMA_CPP_LANE"):
+    if not (cache_dir() / "models" / member).is_file():
         pytest.skip("smollm2-135m-instruct is not cached here: copes-fetch smollm2-135m-instruct")
     smollm2 = ["--types", "f32", "--prompts", "2", "--new-tokens", "6"]
     (row,) = _llama_cpp_rows(monkeypatch, tmp_path / "smollm2", smollm2)
